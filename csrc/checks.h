@@ -1,0 +1,124 @@
+// Host-side argument checks shared by the CPU and CUDA kernels. They read only shapes, dtypes, devices and strides
+// (never tensor contents), so they cost no device sync; every message names the op and the argument.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "format.h"
+
+namespace zipkv {
+
+inline void check_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int64_t dim,
+                         const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == dtype, "zipkv.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "zipkv.", op, ": ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, "zipkv.", op, ": ", name, " must be on ", device, " (like the other tensors), got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), "zipkv.", op, ": ", name, " must be contiguous");
+}
+
+inline void check_geometry(const char* op, int64_t page_size, int64_t head_dim) {
+  TORCH_CHECK(page_size > 0 && page_size % kTileTokens == 0 && page_size <= kMaxPageSize, "zipkv.", op,
+              ": page_size must be a multiple of ", kTileTokens, " in [", kTileTokens, ", ", kMaxPageSize, "], got ",
+              page_size);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "zipkv.", op,
+              ": head_dim must be 64, 128 or 256, got ", head_dim);
+}
+
+// data: uint8 [capacity] (16-byte aligned); meta: int32 [num_pages, 2, num_kv_heads, meta_words].
+inline void check_storage(const char* op, const at::Tensor& data, const at::Tensor& meta, int64_t page_size,
+                          int64_t head_dim, int64_t num_kv_heads) {
+  const at::Device device = data.device();
+  check_tensor(data, op, "data", at::kByte, 1, device);
+  check_tensor(meta, op, "meta", at::kInt, 4, device);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(data.data_ptr()) % 16 == 0, "zipkv.", op,
+              ": data must start at a 16-byte aligned address (a fresh tensor, not an odd slice)");
+  TORCH_CHECK(meta.size(1) == 2 && meta.size(2) == num_kv_heads &&
+                  meta.size(3) == meta_words(static_cast<int>(page_size), static_cast<int>(head_dim)),
+              "zipkv.", op, ": meta must have shape [num_pages, 2, ", num_kv_heads, ", ",
+              meta_words(static_cast<int>(page_size), static_cast<int>(head_dim)), "] for page_size ", page_size,
+              " and head_dim ", head_dim, ", got ", meta.sizes());
+  TORCH_CHECK(meta.size(0) < (int64_t{1} << 31), "zipkv.", op, ": meta has too many pages for int32 page ids");
+}
+
+inline void check_index(const char* op, const char* name, const at::Tensor& t, int64_t n, const at::Device& device) {
+  check_tensor(t, op, name, at::kInt, 1, device);
+  TORCH_CHECK(t.size(0) == n, "zipkv.", op, ": ", name, " must have ", n, " entries, got ", t.size(0));
+}
+
+// The arena's bump pointer: int64 [2] = {next free byte, end of usable bytes}.
+inline void check_cursor(const char* op, const at::Tensor& cursor, const at::Device& device) {
+  check_tensor(cursor, op, "cursor", at::kLong, 1, device);
+  TORCH_CHECK(cursor.size(0) == 2, "zipkv.", op, ": cursor must be int64 [2] = {next, end}, got shape ",
+              cursor.sizes());
+}
+
+// kv: bf16 [n, 2, page_size, num_kv_heads, head_dim] (compress input or decompress output).
+inline void check_pages(const char* op, const char* name, const at::Tensor& kv, const at::Device& device) {
+  check_tensor(kv, op, name, at::kBFloat16, 5, device);
+  TORCH_CHECK(kv.size(1) == 2, "zipkv.", op, ": ", name,
+              " must be [n, 2, page_size, num_kv_heads, head_dim] with K and V stacked on dim 1, got ", kv.sizes());
+  check_geometry(op, kv.size(2), kv.size(4));
+}
+
+// Everything of compress_pages that can be checked without reading device memory.
+inline void check_compress_args(const at::Tensor& kv, const at::Tensor& page_ids, const at::Tensor& data,
+                                const at::Tensor& meta, const at::Tensor& cursor) {
+  const char* op = "compress_pages";
+  check_pages(op, "kv", kv, data.device());
+  check_storage(op, data, meta, kv.size(2), kv.size(4), kv.size(3));
+  check_index(op, "page_ids", page_ids, kv.size(0), data.device());
+  check_cursor(op, cursor, data.device());
+}
+
+inline void check_decompress_args(const at::Tensor& data, const at::Tensor& meta, const at::Tensor& page_ids,
+                                  const at::Tensor& out) {
+  const char* op = "decompress_pages";
+  check_pages(op, "out", out, data.device());
+  check_storage(op, data, meta, out.size(2), out.size(4), out.size(3));
+  check_index(op, "page_ids", page_ids, out.size(0), data.device());
+}
+
+inline void check_append_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& page_ids,
+                              const at::Tensor& slots, int64_t page_size, const at::Tensor& data,
+                              const at::Tensor& meta) {
+  const char* op = "append_kv";
+  check_tensor(k, op, "k", at::kBFloat16, 3, data.device());
+  check_tensor(v, op, "v", at::kBFloat16, 3, data.device());
+  TORCH_CHECK(v.sizes() == k.sizes(), "zipkv.append_kv: v must have the shape of k ", k.sizes(), ", got ", v.sizes());
+  check_geometry(op, page_size, k.size(2));
+  check_storage(op, data, meta, page_size, k.size(2), k.size(1));
+  check_index(op, "page_ids", page_ids, k.size(0), data.device());
+  check_index(op, "slots", slots, k.size(0), data.device());
+}
+
+inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
+                              const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                              const at::Tensor& kv_last_page_len, int64_t page_size, const at::Tensor& out,
+                              const std::optional<at::Tensor>& lse) {
+  const char* op = "paged_decode";
+  const at::Device device = data.device();
+  check_tensor(q, op, "q", at::kBFloat16, 3, device);
+  check_geometry(op, page_size, q.size(2));
+  const int64_t num_kv_heads = meta.dim() == 4 ? meta.size(2) : -1;
+  check_storage(op, data, meta, page_size, q.size(2), num_kv_heads);
+  const int64_t batch = q.size(0), num_qo_heads = q.size(1);
+  TORCH_CHECK(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0, "zipkv.paged_decode: q has ", num_qo_heads,
+              " heads, not a multiple of meta's ", num_kv_heads, " kv heads");
+  const int64_t group = num_qo_heads / num_kv_heads;
+  TORCH_CHECK(group >= 1 && group <= 16, "zipkv.paged_decode: GQA group size (num_qo_heads / num_kv_heads) must be in",
+              " [1, 16], got ", group);
+  check_index(op, "kv_indptr", kv_indptr, batch + 1, device);
+  check_tensor(kv_indices, op, "kv_indices", at::kInt, 1, device);
+  check_index(op, "kv_last_page_len", kv_last_page_len, batch, device);
+  check_tensor(out, op, "out", at::kBFloat16, 3, device);
+  TORCH_CHECK(out.sizes() == q.sizes(), "zipkv.paged_decode: out must have q's shape ", q.sizes(), ", got ",
+              out.sizes());
+  if (lse.has_value()) {
+    check_tensor(*lse, op, "lse", at::kFloat, 2, device);
+    TORCH_CHECK(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [", batch,
+                ", ", num_qo_heads, "], got ", lse->sizes());
+  }
+}
+
+}  // namespace zipkv

@@ -1,0 +1,112 @@
+// CPU kernel of zipkv::paged_decode: the readable reference of the fused decode. Per (request, kv head): decode each
+// page's K and V to float, then an online softmax over its tokens for every query head of the GQA group.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../checks.h"
+#include "stream.h"
+
+namespace zipkv::cpu {
+namespace {
+
+float bf16_to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Decodes stream (page, is_v, head) into vals [page_size][head_dim] as float.
+void decode_stream(const at::Tensor& data, const at::Tensor& meta, int64_t page, int is_v, int head, int P, int D,
+                   float* vals) {
+  const int nb = blocks_per_stream(P, D);
+  int64_t off;
+  int nbytes;
+  read_stream_or_throw("paged_decode", data, meta, page, is_v, head, nb, &off, &nbytes);
+  const auto* desc = reinterpret_cast<const uint8_t*>(meta_row(meta, page, is_v, head) + 1);
+  uint16_t v[kBlockValues];
+  for (int b = 0; b < nb; ++b) {
+    decode_block(data.data_ptr<uint8_t>() + off, desc[b], v);
+    off += block_bytes(desc[b]);
+    const int tok0 = (b / (D / kBlockDims)) * kTileTokens, dim0 = (b % (D / kBlockDims)) * kBlockDims;
+    for (int tok = 0; tok < kTileTokens; ++tok)
+      for (int dim = 0; dim < kBlockDims; ++dim)
+        vals[(tok0 + tok) * D + dim0 + dim] = bf16_to_float(v[position(is_v, tok, dim)]);
+  }
+}
+
+void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
+                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                      int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse) {
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse);
+  const int64_t batch = q.size(0), num_pages = meta.size(0), nnz = kv_indices.size(0);
+  const int Hq = q.size(1), H = meta.size(2), D = q.size(2), P = page_size, group = Hq / H;
+  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+  const int32_t* indices = kv_indices.data_ptr<int32_t>();
+  const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
+  TORCH_CHECK(indptr[0] == 0, "zipkv.paged_decode: kv_indptr[0] must be 0, got ", indptr[0]);
+  TORCH_CHECK(indptr[batch] == nnz, "zipkv.paged_decode: kv_indptr[", batch, "] = ", indptr[batch],
+              " must equal kv_indices.numel() = ", nnz);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(indptr[b + 1] >= indptr[b], "zipkv.paged_decode: kv_indptr must be non-decreasing, but kv_indptr[",
+                b + 1, "] = ", indptr[b + 1], " < kv_indptr[", b, "] = ", indptr[b]);
+    TORCH_CHECK(indptr[b + 1] == indptr[b] || (last[b] >= 1 && last[b] <= P), "zipkv.paged_decode: kv_last_page_len[",
+                b, "] = ", last[b], " must be in [1, page_size = ", P, "]");
+  }
+  for (int64_t i = 0; i < nnz; ++i) check_page_id("paged_decode", "kv_indices", i, indices[i], num_pages);
+
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  float* lp = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  at::parallel_for(0, batch * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kf(P * D), vf(P * D), qf(group * D), acc(group * D), m(group), l(group), s(P);
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t b = x / H;
+      const int h = x % H;
+      for (int r = 0; r < group * D; ++r) qf[r] = bf16_to_float(qp[(b * Hq + h * group) * D + r]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t j = indptr[b]; j < indptr[b + 1]; ++j) {
+        const int len = j + 1 == indptr[b + 1] ? last[b] : P;
+        decode_stream(data, meta, indices[j], 0, h, P, D, kf.data());
+        decode_stream(data, meta, indices[j], 1, h, P, D, vf.data());
+        for (int g = 0; g < group; ++g) {
+          float mx = m[g];
+          for (int t = 0; t < len; ++t) {
+            float dot = 0.f;
+            for (int d = 0; d < D; ++d) dot += qf[g * D + d] * kf[t * D + d];
+            s[t] = dot * static_cast<float>(sm_scale);
+            mx = std::max(mx, s[t]);
+          }
+          // mx is finite here unless every score is -inf/NaN; exp(-inf - -inf) would be NaN, so guard it.
+          const float scale = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
+          l[g] *= scale;
+          for (int d = 0; d < D; ++d) acc[g * D + d] *= scale;
+          for (int t = 0; t < len; ++t) {
+            const float p = std::exp(s[t] - mx);
+            l[g] += p;
+            for (int d = 0; d < D; ++d) acc[g * D + d] += p * vf[t * D + d];
+          }
+          m[g] = mx;
+        }
+      }
+      for (int g = 0; g < group; ++g) {
+        const int64_t row = b * Hq + h * group + g;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int d = 0; d < D; ++d) op[row * D + d] = static_cast<at::BFloat16>(acc[g * D + d] * inv);
+        if (lp) lp[row] = l[g] > 0.f ? m[g] + std::log(l[g]) : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zipkv, CPU, m) { m.impl("paged_decode", &paged_decode_cpu); }
+
+}  // namespace zipkv::cpu

@@ -1,0 +1,55 @@
+// CPU helpers that move one block between a page in natural layout and the format's position order, and turn a bad
+// meta row into an error that names the page, K|V and head.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "../format.h"
+
+namespace zipkv::cpu {
+
+// page: one page [2][page_size][num_kv_heads][head_dim] (uint16 bit patterns); block b of stream (is_v, head).
+inline int64_t natural_index(int page_size, int num_kv_heads, int head_dim, int is_v, int head, int b, int tok,
+                             int dim) {
+  const int spans = head_dim / kBlockDims;
+  const int token = (b / spans) * kTileTokens + tok, d = (b % spans) * kBlockDims + dim;
+  return ((static_cast<int64_t>(is_v) * page_size + token) * num_kv_heads + head) * head_dim + d;
+}
+
+inline void gather_block(const uint16_t* page, int page_size, int num_kv_heads, int head_dim, int is_v, int head,
+                         int b, uint16_t* v) {
+  for (int tok = 0; tok < kTileTokens; ++tok)
+    for (int dim = 0; dim < kBlockDims; ++dim)
+      v[position(is_v, tok, dim)] = page[natural_index(page_size, num_kv_heads, head_dim, is_v, head, b, tok, dim)];
+}
+
+inline void scatter_block(const uint16_t* v, int page_size, int num_kv_heads, int head_dim, int is_v, int head,
+                          int b, uint16_t* page) {
+  for (int tok = 0; tok < kTileTokens; ++tok)
+    for (int dim = 0; dim < kBlockDims; ++dim)
+      page[natural_index(page_size, num_kv_heads, head_dim, is_v, head, b, tok, dim)] = v[position(is_v, tok, dim)];
+}
+
+// Row of meta [num_pages, 2, num_kv_heads, words] for stream (page, is_v, head).
+inline const int32_t* meta_row(const at::Tensor& meta, int64_t page, int is_v, int head) {
+  return meta.data_ptr<int32_t>() + ((page * 2 + is_v) * meta.size(2) + head) * meta.size(3);
+}
+
+// Validates meta[page][is_v][head] against data (read_stream) and raises a clear error when it is not usable.
+inline void read_stream_or_throw(const char* op, const at::Tensor& data, const at::Tensor& meta, int64_t page,
+                                 int is_v, int head, int nblocks, int64_t* start, int* nbytes) {
+  const int status = read_stream(meta_row(meta, page, is_v, head), nblocks, data.numel(), start, nbytes);
+  if (status == kStreamOk) return;
+  const char* what = status == kStreamMissing        ? "holds no stream (page never stored)"
+                     : status == kStreamBadDescriptor ? "has an invalid block descriptor (corrupted)"
+                                                      : "points past the end of data (corrupted, or the wrong data)";
+  TORCH_CHECK(false, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ", head, "] ", what);
+}
+
+// Raises unless 0 <= id < num_pages.
+inline void check_page_id(const char* op, const char* name, int64_t i, int64_t id, int64_t num_pages) {
+  TORCH_CHECK(id >= 0 && id < num_pages, "zipkv.", op, ": ", name, "[", i, "] = ", id, " is out of range [0, ",
+              num_pages, ")");
+}
+
+}  // namespace zipkv::cpu

@@ -1,0 +1,188 @@
+// CUDA kernel of zipkv::compress_pages, one pass over the input: each CTA encodes whole streams, learns where its
+// bytes go through a decoupled look-back over the CTAs before it (ordered by a ticket, so the layout is the CPU
+// kernel's: streams back to back from cursor[0]), then writes. No host sync: capturable in a CUDA Graph.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "block_io.cuh"
+
+namespace zipkv::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kBlocksPerCta = 16;  // whole streams, at least this many blocks (one stream if a stream has more)
+// Look-back status words: flag in the top 2 bits, a byte count in the low 62.
+constexpr uint64_t kFlagAggregate = uint64_t{1} << 62, kFlagPrefix = uint64_t{2} << 62, kValueMask = kFlagAggregate - 1;
+
+struct Scratch {          // zeroed before each launch
+  unsigned int ticket;    // next CTA ticket
+  unsigned int pad;
+  uint64_t status[1];     // [num_ctas]
+};
+
+// Exclusive prefix of CTA `ticket` (bytes from the start of data), publishing its own inclusive prefix.
+__device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggregate, int64_t first_offset) {
+  volatile uint64_t* status = scratch->status;
+  if (ticket == 0) {
+    atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[0]), kFlagPrefix | (first_offset + aggregate));
+    return first_offset;
+  }
+  atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[ticket]), kFlagAggregate | aggregate);
+  int64_t exclusive = 0;
+  for (int64_t j = static_cast<int64_t>(ticket) - 1;; ) {
+    const uint64_t s = status[j];
+    if (s == 0) continue;  // predecessor still encoding; it holds an earlier ticket, so it is running
+    exclusive += static_cast<int64_t>(s & kValueMask);
+    if (s & kFlagPrefix) break;
+    --j;
+  }
+  atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[ticket]), kFlagPrefix | (exclusive + aggregate));
+  return exclusive;
+}
+
+template <int kMaxBlocksPerWarp>
+__global__ void __launch_bounds__(kThreads) compress_pages_kernel(
+    const uint16_t* __restrict__ kv,  // [n, 2, P, H, D]
+    const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
+    int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages, int64_t* __restrict__ cursor, Scratch* scratch,
+    int64_t num_streams, int P, int H, int D, int words, int streams_per_cta, unsigned int num_ctas) {
+  __shared__ uint32_t stage[kWarps][kStageWords];
+  __shared__ uint8_t desc_s[kWarps * kMaxBlocksPerWarp];
+  __shared__ int32_t block_off_s[kWarps * kMaxBlocksPerWarp];
+  __shared__ int64_t stream_start_s[kBlocksPerCta + 1];
+  __shared__ unsigned int ticket_s;
+  __shared__ int64_t base_s, limit_s;
+
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (threadIdx.x == 0) ticket_s = atomicAdd(&scratch->ticket, 1u);
+  __syncthreads();
+  const unsigned int ticket = ticket_s;
+  const int nb = blocks_per_stream(P, D);
+  const int64_t first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
+  const int cta_streams = static_cast<int>(min<int64_t>(streams_per_cta, num_streams - first_stream));
+  const int cta_blocks = cta_streams * nb;
+
+  // Encode pass: each warp takes blocks warp, warp + 8, ... and keeps its lanes' values in registers.
+  uint16_t vals[kMaxBlocksPerWarp][16];
+#pragma unroll
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x >= cta_blocks) break;
+    const int64_t stream = first_stream + x / nb;
+    const int is_v = (stream / H) % 2;
+    load_block_to_stage(kv + natural_block_base(stream, x % nb, P, H, D), static_cast<int64_t>(H) * D, stage[warp],
+                        lane);
+    __syncwarp();
+    gather_lane_values(stage[warp], is_v, lane, vals[k]);
+    __syncwarp();
+    int emin = 255, emax = 0;
+#pragma unroll
+    for (int idx = 0; idx < 16; ++idx) emin = min(emin, exponent_of(vals[k][idx])), emax = max(emax, exponent_of(vals[k][idx]));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
+      emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
+    }
+    if (lane == 0) desc_s[x] = allow_compress ? descriptor_for(emin, emax) : kDescRaw;
+  }
+  __syncthreads();
+
+  // Layout of this CTA's bytes, then its place after all earlier CTAs.
+  if (threadIdx.x == 0) {
+    int32_t off = 0;
+    for (int x = 0; x < cta_blocks; ++x) block_off_s[x] = off, off += block_bytes(desc_s[x]);
+    // Read the cursor before publishing: the last CTA rewrites cursor[0] only after every CTA has published.
+    const int64_t next = cursor[0], end = cursor[1];
+    base_s = look_back(scratch, ticket, off, next);
+    // A cursor the CPU kernel would reject ({next, end} out of order, past data, or next unaligned) stores nothing.
+    const bool sane = next >= 0 && next % kStreamAlign == 0 && next <= end && end <= data_bytes;
+    limit_s = sane ? end : -1;
+    for (int s = 0; s <= cta_streams; ++s) stream_start_s[s] = base_s + (s < cta_streams ? block_off_s[s * nb] : off);
+    if (ticket == num_ctas - 1 && sane) cursor[0] = base_s + off;
+  }
+  __syncthreads();
+
+  // Write pass: only streams that end within the usable bytes are stored.
+#pragma unroll
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x >= cta_blocks) break;
+    const int s = x / nb;
+    if (stream_start_s[s + 1] > limit_s) break;
+    uint8_t* dst = data + base_s + block_off_s[x];
+    const uint8_t desc = desc_s[x];
+    if (desc == kDescRaw) {
+      uint4 r[2];
+      uint16_t* rv = reinterpret_cast<uint16_t*>(r);
+#pragma unroll
+      for (int idx = 0; idx < 16; ++idx) rv[idx] = vals[k][idx];
+      reinterpret_cast<uint4*>(dst)[2 * lane] = r[0];
+      reinterpret_cast<uint4*>(dst)[2 * lane + 1] = r[1];
+    } else {
+      uint4 low;
+      uint8_t* lb = reinterpret_cast<uint8_t*>(&low);
+#pragma unroll
+      for (int idx = 0; idx < 16; ++idx) lb[idx] = static_cast<uint8_t>(vals[k][idx] & 0xFF);
+      uint2 codes = make_uint2(encode_group(vals[k], desc), encode_group(vals[k] + 8, desc));
+      reinterpret_cast<uint4*>(dst)[lane] = low;
+      reinterpret_cast<uint2*>(dst + kLowBytes)[lane] = codes;
+    }
+  }
+  // Meta rows: one thread per stream.
+  if (threadIdx.x < cta_streams) {
+    const int s = threadIdx.x;
+    const int64_t stream = first_stream + s;
+    const int64_t page = page_ids[stream / (2 * H)];
+    if (page < 0 || page >= num_pages) return;  // the CPU kernel raises; here the row cannot be written at all
+    int32_t* row = meta + ((page * 2 + (stream / H) % 2) * H + stream % H) * words;
+    const bool stored = stream_start_s[s + 1] <= limit_s;
+    row[0] = stored ? static_cast<int32_t>(stream_start_s[s] / kStreamAlign) : kNoStream;
+    for (int w = 1; w < words; ++w) {
+      uint32_t packed = 0;
+      for (int j = 0; j < 4; ++j) {
+        const int b = 4 * (w - 1) + j;
+        if (b < nb) packed |= static_cast<uint32_t>(desc_s[s * nb + b]) << (8 * j);
+      }
+      row[w] = static_cast<int32_t>(packed);
+    }
+  }
+}
+
+void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool allow_compress, at::Tensor& data,
+                         at::Tensor& meta, at::Tensor& cursor) {
+  check_compress_args(kv, page_ids, data, meta, cursor);
+  const int64_t n = kv.size(0);
+  if (n == 0) return;
+  const int P = kv.size(2), H = kv.size(3), D = kv.size(4), nb = blocks_per_stream(P, D);
+  const int64_t num_streams = n * 2 * H;
+  const int streams_per_cta = std::max(1, kBlocksPerCta / nb);
+  const int64_t num_ctas = (num_streams + streams_per_cta - 1) / streams_per_cta;
+  TORCH_CHECK(num_ctas < (int64_t{1} << 31), "zipkv.compress_pages: too many pages in one call");
+  const int blocks_per_warp = (streams_per_cta * nb + kWarps - 1) / kWarps;
+
+  const c10::cuda::CUDAGuard guard(data.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor scratch = at::zeros({1 + num_ctas}, data.options().dtype(at::kLong));
+  auto launch = [&](auto kernel) {
+    kernel<<<static_cast<unsigned int>(num_ctas), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), page_ids.data_ptr<int32_t>(), allow_compress,
+        data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0), cursor.data_ptr<int64_t>(),
+        reinterpret_cast<Scratch*>(scratch.data_ptr<int64_t>()), num_streams, P, H, D, meta.size(3), streams_per_cta,
+        static_cast<unsigned int>(num_ctas));
+  };
+  if (blocks_per_warp <= 2) launch(compress_pages_kernel<2>);
+  else if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>);
+  else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>);
+  else TORCH_CHECK(false, "zipkv.compress_pages: page_size x head_dim too large (", blocks_per_warp, " blocks per warp)");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zipkv, CUDA, m) { m.impl("compress_pages", &compress_pages_cuda); }
+
+}  // namespace zipkv::cuda

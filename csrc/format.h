@@ -1,0 +1,174 @@
+// The torch_zipkv on-device format, version 1 (docs/FORMAT.md is the prose version of this file).
+//
+// Everything that decides where a byte lives is here, as inline functions shared by the CPU (.cpp) and CUDA (.cu)
+// kernels, so both produce the same bytes by construction.
+//
+// Vocabulary
+//   page    page_size tokens (a multiple of 16) of one layer's K and V, all KV heads.
+//   stream  one (page, K|V, kv_head): page_size x head_dim BF16 values, stored as a run of blocks.
+//   tile    16 consecutive tokens of a page.  block  16 tokens x 32 dims of one stream = 512 values.
+//   Blocks of a stream are ordered tile-major: block = (token / 16) * (head_dim / 32) + dim / 32.
+//
+// A block is stored either
+//   raw        1024 bytes: the 512 BF16 values (little-endian) in block position order, or
+//   compressed  768 bytes: 512 low bytes (position order), then 256 bytes of codes (4 bytes per 8 positions).
+// BF16 = s | e (8 bits) | f (7 bits). low byte = lowest exponent bit + f, kept verbatim. With the block base
+// b = (min e) & ~1, a block compresses iff every e <= b + 15; then d = (e - b) >> 1 (3 bits) and the high byte is
+// s << 7 | (b/2 + d), which never carries out of 7 bits because b/2 + d <= 127.
+// Code word of positions 8q..8q+7 (uint32, little-endian, at code byte 4q):
+//   byte j (j = 0..3) = s[8q+j] << 7 | d[8q+j] | s[8q+4+j] << 3 | d[8q+4+j] << 4
+// so (w & 0x87878787) + b/2 * 0x01010101 restores the high bytes of positions 0..3 in one add, and
+// (((w >> 4) & 0x07070707) | ((w << 4) & 0x80808080)) + b/2 * 0x01010101 those of positions 4..7.
+//
+// Position order inside a block (why: the decode kernel feeds mma.sync.m16n8k16 straight from 16-byte loads).
+// Lane = 4 g + t of a warp owns positions [16 lane, 16 lane + 16): 16 low bytes (one 16-byte load) and 8 code
+// bytes (one 8-byte load), which rebuild the lane's B-operand registers in mma order.
+//   K (token-major B of S = Q K^T; N = 8 tokens, K = 16 dims): lane holds tokens {g, g+8} and, of each 16-dim
+//     chunk, dims {2t, 2t+1, 2t+8, 2t+9}:   pos = 16 lane + 8 (tok / 8) + 4 (dim / 16) + i,
+//     with g = tok % 8, w = dim % 16, t = (w % 8) / 2, i = 2 (w / 8) + w % 2.
+//   V (dim-major B of O = P V; N = 8 dims, K = 16 tokens): lane holds dims {g, g+8, g+16, g+24} and tokens
+//     {2t, 2t+1, 2t+8, 2t+9}:                pos = 16 lane + 4 (dim / 8) + i,
+//     with g = dim % 8, t = (tok % 8) / 2, i = 2 (tok / 8) + tok % 2.
+//   (tok in [0, 16) within the tile, dim in [0, 32) within the block.) Consecutive position pairs (2i, 2i+1) are the
+//   two halves of one bf16x2 register, low half first.
+//
+// Metadata: int32 meta[num_pages][2][num_kv_heads][meta_words], one row per stream.
+//   word 0: stream start in data, in units of 256 bytes (every block size is a multiple of 256), or -1 = no stream.
+//   bytes 4.. (words 1..): one descriptor byte per block: 0x80 = raw, 0..127 = compressed with base b/2;
+//   0x81..0xFF are invalid; padding bytes are 0. The byte offset of block i inside its stream is
+//   768 i + 256 * (raw blocks before i).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ZIPKV_HD __host__ __device__ __forceinline__
+#else
+#define ZIPKV_HD inline
+#endif
+
+namespace zipkv {
+
+constexpr int kFormatVersion = 1;
+constexpr int kTileTokens = 16;
+constexpr int kBlockDims = 32;
+constexpr int kBlockValues = kTileTokens * kBlockDims;  // 512
+constexpr int kLowBytes = kBlockValues;                  // low bytes come first in a compressed block
+constexpr int kCodeBytes = kBlockValues / 2;             // 12 bits per value in all
+constexpr int kCompBlockBytes = kLowBytes + kCodeBytes;  // 768
+constexpr int kRawBlockBytes = 2 * kBlockValues;         // 1024
+constexpr int kStreamAlign = 256;                        // stream offsets are stored in these units
+constexpr uint8_t kDescRaw = 0x80;
+constexpr int32_t kNoStream = -1;
+constexpr int kMaxPageSize = 128;
+
+// Sizes that every kernel and the Python side agree on.
+ZIPKV_HD int blocks_per_stream(int page_size, int head_dim) {
+  return (page_size / kTileTokens) * (head_dim / kBlockDims);
+}
+ZIPKV_HD int meta_words(int page_size, int head_dim) {
+  return 1 + (blocks_per_stream(page_size, head_dim) + 3) / 4;
+}
+ZIPKV_HD int block_bytes(uint8_t desc) { return desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes; }
+ZIPKV_HD bool desc_valid(uint8_t desc) { return desc <= kDescRaw; }
+
+// Position of (tok, dim) inside its block; tok in [0, 16), dim in [0, 32).
+ZIPKV_HD int k_position(int tok, int dim) {
+  const int g = tok % 8, w = dim % 16, t = (w % 8) / 2, i = 2 * (w / 8) + w % 2;
+  return 16 * (4 * g + t) + 8 * (tok / 8) + 4 * (dim / 16) + i;
+}
+ZIPKV_HD int v_position(int tok, int dim) {
+  const int g = dim % 8, t = (tok % 8) / 2, i = 2 * (tok / 8) + tok % 2;
+  return 16 * (4 * g + t) + 4 * (dim / 8) + i;
+}
+// is_v: 0 for K, 1 for V (the page's second index).
+ZIPKV_HD int position(int is_v, int tok, int dim) { return is_v ? v_position(tok, dim) : k_position(tok, dim); }
+
+ZIPKV_HD int exponent_of(uint16_t x) { return (x >> 7) & 0xFF; }
+
+// The descriptor of a block, from the min and max exponent of its values.
+ZIPKV_HD uint8_t descriptor_for(int emin, int emax) {
+  const int base = emin & ~1;
+  return emax - base <= 15 ? static_cast<uint8_t>(base >> 1) : kDescRaw;
+}
+
+// The byte of the code word that holds positions j and j + 4 of an 8-position group, j in [0, 4).
+ZIPKV_HD uint8_t code_byte(uint16_t lo_value, uint16_t hi_value, int half_base) {
+  const uint32_t d0 = static_cast<uint32_t>(exponent_of(lo_value) / 2 - half_base);
+  const uint32_t d1 = static_cast<uint32_t>(exponent_of(hi_value) / 2 - half_base);
+  return static_cast<uint8_t>(((lo_value >> 15) << 7) | d0 | ((hi_value >> 15) << 3) | (d1 << 4));
+}
+
+// The code word of 8 positions (values in position order).
+ZIPKV_HD uint32_t encode_group(const uint16_t* v, int half_base) {
+  uint32_t w = 0;
+  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(code_byte(v[j], v[j + 4], half_base)) << (8 * j);
+  return w;
+}
+
+// High bytes of the 8 positions of one code word: positions 0..3 in *h0, 4..7 in *h1 (byte j = position j).
+ZIPKV_HD void decode_high_bytes(uint32_t w, int half_base, uint32_t* h0, uint32_t* h1) {
+  const uint32_t add = static_cast<uint32_t>(half_base) * 0x01010101u;
+  *h0 = (w & 0x87878787u) + add;
+  *h1 = (((w >> 4) & 0x07070707u) | ((w << 4) & 0x80808080u)) + add;
+}
+
+// Byte offset of block i inside a stream whose descriptors are desc[0..].
+ZIPKV_HD int block_offset(const uint8_t* desc, int i) {
+  int off = 0;
+  for (int k = 0; k < i; ++k) off += block_bytes(desc[k]);
+  return off;
+}
+
+// Meta row status, shared so CPU kernels can raise and CUDA kernels can refuse to touch a bad row.
+enum StreamStatus : int { kStreamOk = 0, kStreamMissing = 1, kStreamBadDescriptor = 2, kStreamOutOfRange = 3 };
+
+// Validates one meta row against a data buffer of data_bytes; on success sets *start (bytes) and *nbytes.
+ZIPKV_HD int read_stream(const int32_t* row, int nblocks, int64_t data_bytes, int64_t* start, int* nbytes) {
+  if (row[0] < 0) return kStreamMissing;
+  const uint8_t* desc = reinterpret_cast<const uint8_t*>(row + 1);
+  int total = 0;
+  for (int i = 0; i < nblocks; ++i) {
+    if (!desc_valid(desc[i])) return kStreamBadDescriptor;
+    total += block_bytes(desc[i]);
+  }
+  *start = static_cast<int64_t>(row[0]) * kStreamAlign;
+  *nbytes = total;
+  return *start + total <= data_bytes ? kStreamOk : kStreamOutOfRange;
+}
+
+// Encode one block of 512 values (position order) with descriptor desc into dst (768 or 1024 bytes).
+ZIPKV_HD void encode_block(const uint16_t* v, uint8_t desc, uint8_t* dst) {
+  if (desc == kDescRaw) {
+    for (int p = 0; p < kBlockValues; ++p) {
+      dst[2 * p] = static_cast<uint8_t>(v[p] & 0xFF);
+      dst[2 * p + 1] = static_cast<uint8_t>(v[p] >> 8);
+    }
+    return;
+  }
+  for (int p = 0; p < kBlockValues; ++p) dst[p] = static_cast<uint8_t>(v[p] & 0xFF);
+  for (int q = 0; q < kBlockValues / 8; ++q) {
+    const uint32_t w = encode_group(v + 8 * q, desc);
+    for (int j = 0; j < 4; ++j) dst[kLowBytes + 4 * q + j] = static_cast<uint8_t>(w >> (8 * j));
+  }
+}
+
+// Decode one block (768 or 1024 bytes at src, per desc) into 512 values in position order.
+ZIPKV_HD void decode_block(const uint8_t* src, uint8_t desc, uint16_t* v) {
+  if (desc == kDescRaw) {
+    for (int p = 0; p < kBlockValues; ++p) v[p] = static_cast<uint16_t>(src[2 * p] | (src[2 * p + 1] << 8));
+    return;
+  }
+  for (int q = 0; q < kBlockValues / 8; ++q) {
+    const uint8_t* c = src + kLowBytes + 4 * q;
+    const uint32_t w = c[0] | (c[1] << 8) | (c[2] << 16) | (static_cast<uint32_t>(c[3]) << 24);
+    uint32_t h[2];
+    decode_high_bytes(w, desc, &h[0], &h[1]);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t hi = (h[j / 4] >> (8 * (j % 4))) & 0xFF;
+      v[8 * q + j] = static_cast<uint16_t>((hi << 8) | src[8 * q + j]);
+    }
+  }
+}
+
+}  // namespace zipkv

@@ -1,0 +1,57 @@
+// The only TORCH_LIBRARY(zipkv): every schema of the library, with the meaning and shape of each argument.
+// Backends add kernels with TORCH_LIBRARY_IMPL in csrc/cpu/*.cpp and csrc/cuda/*.cu; fakes live in
+// torch_zipkv/ops.py. Every op writes into caller-allocated tensors and returns (), so no output shape depends on
+// data and every op can be captured in a CUDA Graph. The storage format is defined in format.h.
+#include <Python.h>
+#include <torch/library.h>
+
+// Importing torch_zipkv._C runs the static initialisers below; the module itself is empty.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(zipkv, m) {
+  // Store full BF16 pages in the byte arena `data`: each (page, K|V, kv_head) stream is appended at data[cursor[0]:]
+  // in page, K|V, head order, its blocks compressed where lossless 12-bit coding applies (allow_compress) or raw.
+  //   kv        bf16  [n, 2, page_size, num_kv_heads, head_dim]   pages to store (K then V, FlashInfer NHD)
+  //   page_ids  int32 [n]                                          meta row written for kv[i]; distinct
+  //   data      uint8 [capacity]                                   arena, written from cursor[0]
+  //   meta      int32 [num_pages, 2, num_kv_heads, meta_words]     rows of page_ids[i] rewritten
+  //   cursor    int64 [2]                                          {next free byte, end of usable bytes};
+  //                                                                cursor[0] advances by the bytes stored
+  // Streams that would end past cursor[1] are not written and their rows read "no stream" (-1); the CPU kernel
+  // raises instead, before writing anything.
+  m.def(
+      "compress_pages(Tensor kv, Tensor page_ids, bool allow_compress, Tensor(a!) data, Tensor(b!) meta, "
+      "Tensor(c!) cursor) -> ()");
+
+  // Rebuild BF16 pages bit-exactly.
+  //   data      uint8 [capacity]; meta int32 [num_pages, 2, num_kv_heads, meta_words]
+  //   page_ids  int32 [n]
+  //   out       bf16  [n, 2, page_size, num_kv_heads, head_dim]   natural (token, head, dim) order
+  m.def("decompress_pages(Tensor data, Tensor meta, Tensor page_ids, Tensor(a!) out) -> ()");
+
+  // Write new tokens into open (raw) pages, e.g. one decode step's K and V.
+  //   k, v      bf16  [n, num_kv_heads, head_dim]
+  //   page_ids  int32 [n]   page of each token; the block that receives it must be stored raw
+  //   slots     int32 [n]   slot of each token inside its page, in [0, page_size)
+  //   data      uint8 [capacity]; meta int32 [num_pages, 2, num_kv_heads, meta_words] (read only)
+  m.def(
+      "append_kv(Tensor k, Tensor v, Tensor page_ids, Tensor slots, int page_size, Tensor(a!) data, "
+      "Tensor meta) -> ()");
+
+  // Decode attention (one query token per request) over pages stored in data/meta, compressed or raw.
+  //   q                 bf16  [batch, num_qo_heads, head_dim]
+  //   data, meta        as above
+  //   kv_indptr         int32 [batch + 1]   request b owns kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+  //   kv_indices        int32 [nnz_pages]   page ids (rows of meta), in token order
+  //   kv_last_page_len  int32 [batch]       tokens in each request's last page, in [1, page_size]
+  //   sm_scale          softmax scale
+  //   out               bf16  [batch, num_qo_heads, head_dim]
+  //   lse               fp32  [batch, num_qo_heads]  optional natural-log sum of exp(scaled logits)
+  // A request with no pages gets out = 0 and lse = -inf.
+  m.def(
+      "paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None) -> ()");
+}

@@ -1,0 +1,58 @@
+"""Build torch_zipkv's C++/CUDA extension (torch_zipkv._C).
+
+CUDA sources are compiled whenever a CUDA build of torch and nvcc are present, GPU or not, so a GPU-less CI still
+proves they compile and register. ZIPKV_WITH_CUDA=1 turns a missing toolkit into an error, =0 builds CPU only.
+Install with `pip install --no-build-isolation -e .` so the build uses the torch you run with.
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+# Defaults that must be in place before torch.utils.cpp_extension is imported: torch guesses CUDA_HOME from
+# `which nvcc` (here /usr/local/bin, which has no libcudart), and with no GPU visible and no arch list its extension
+# builder crashes while guessing archs. Our kernels target Hopper (sm_90a).
+if "CUDA_HOME" not in os.environ and shutil.which("nvcc"):
+    nvcc = os.path.realpath(shutil.which("nvcc"))
+    os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(nvcc))
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+with_cuda_env = os.environ.get("ZIPKV_WITH_CUDA")
+cuda_available = torch.version.cuda is not None and CUDA_HOME is not None
+if with_cuda_env == "1" and not cuda_available:
+    raise RuntimeError(
+        f"ZIPKV_WITH_CUDA=1 but CUDA cannot be built: torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}. "
+        "Install a CUDA build of torch (e.g. torch==2.14.1) and the CUDA toolkit (nvcc)."
+    )
+with_cuda = cuda_available if with_cuda_env is None else with_cuda_env == "1"
+debug = os.environ.get("DEBUG", "0") == "1"
+
+sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+cxx_flags = ["-O0" if debug else "-O3", "-fopenmp"]
+extra_compile_args = {"cxx": cxx_flags}
+if with_cuda:
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    extra_compile_args["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-std=c++20"] + (
+        ["-lineinfo", "-g"] if debug else ["-lineinfo"]
+    )
+Extension = CUDAExtension if with_cuda else CppExtension
+
+setup(
+    name="torch_zipkv",
+    ext_modules=[
+        Extension(
+            "torch_zipkv._C",
+            sources,
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+)

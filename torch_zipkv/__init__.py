@@ -1,0 +1,18 @@
+"""torch_zipkv: a losslessly compressed BF16 paged KV cache, with decode attention that reads it directly.
+
+Ops live under ``torch.ops.zipkv`` (schemas in csrc/ops.cpp); :mod:`torch_zipkv.ops` has typed wrappers.
+The high-level API:
+
+- :func:`compress` turns BF16 pages ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` into a
+  :class:`CompressedKV`; :func:`decompress` returns them bit-exactly.
+- :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table.
+"""
+
+import torch  # noqa: F401  (loads libtorch before our extension)
+
+from . import _C  # noqa: F401  (registers the zipkv ops)
+from . import ops
+from .compressed_kv import CompressedKV, compress, decompress, paged_decode
+from .format import FORMAT_VERSION
+
+__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION"]
