@@ -7,16 +7,35 @@ Install with `pip install --no-build-isolation -e .` so the build uses the torch
 
 import glob
 import os
+import re
 import shutil
+import subprocess
 
 from setuptools import setup
 
 # Defaults that must be in place before torch.utils.cpp_extension is imported: torch guesses CUDA_HOME from
 # `which nvcc` (here /usr/local/bin, which has no libcudart), and with no GPU visible and no arch list its extension
 # builder crashes while guessing archs. Our kernels target Hopper (sm_90a).
-if "CUDA_HOME" not in os.environ and shutil.which("nvcc"):
-    nvcc = os.path.realpath(shutil.which("nvcc"))
-    os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(nvcc))
+
+
+def cuda_home_of_nvcc_on_path():
+    """The toolkit root of the `nvcc` on PATH. nvcc may be a wrapper script, so ask it (-dryrun prints TOP=)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        dry = subprocess.run([nvcc, "-dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=120)
+        top = re.search(r"^#\$ TOP=(.*)$", dry.stdout + dry.stderr, re.M)
+    except (OSError, subprocess.SubprocessError):
+        top = None
+    return os.path.realpath(top.group(1).strip() if top else os.path.join(os.path.dirname(nvcc), ".."))
+
+
+if "CUDA_HOME" not in os.environ and os.environ.get("ZIPKV_WITH_CUDA") != "0":
+    home = cuda_home_of_nvcc_on_path()
+    if home:
+        os.environ["CUDA_HOME"] = home
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
 
 import torch  # noqa: E402

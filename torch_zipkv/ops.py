@@ -92,6 +92,11 @@ def _check(cond: bool, msg: str) -> None:
     torch._check(cond, lambda: msg)
 
 
+def _check_devices(op: str, data, **tensors) -> None:
+    for name, t in tensors.items():
+        _check(t is None or t.device == data.device, f"zipkv.{op}: {name} must be on {data.device} like data")
+
+
 def _check_storage(op: str, data, meta, page_size: int, head_dim: int, num_kv_heads: int) -> None:
     _check(data.dtype == torch.uint8 and data.dim() == 1, f"zipkv.{op}: data must be a 1-D uint8 tensor")
     _check(meta.dtype == torch.int32 and meta.dim() == 4, f"zipkv.{op}: meta must be a 4-D int32 tensor")
@@ -118,6 +123,7 @@ def _compress_pages_fake(kv, page_ids, allow_compress, data, meta, cursor):
     _check_storage("compress_pages", data, meta, kv.shape[2], kv.shape[4], kv.shape[3])
     _check_index("compress_pages", "page_ids", page_ids, kv.shape[0])
     _check(cursor.dtype == torch.int64 and cursor.shape == (2,), "zipkv.compress_pages: cursor must be int64 [2]")
+    _check_devices("compress_pages", data, kv=kv, page_ids=page_ids, meta=meta, cursor=cursor)
 
 
 @torch.library.register_fake("zipkv::decompress_pages")
@@ -125,6 +131,7 @@ def _decompress_pages_fake(data, meta, page_ids, out):
     _check_pages("decompress_pages", "out", out)
     _check_storage("decompress_pages", data, meta, out.shape[2], out.shape[4], out.shape[3])
     _check_index("decompress_pages", "page_ids", page_ids, out.shape[0])
+    _check_devices("decompress_pages", data, meta=meta, page_ids=page_ids, out=out)
 
 
 @torch.library.register_fake("zipkv::append_kv")
@@ -135,6 +142,7 @@ def _append_kv_fake(k, v, page_ids, slots, page_size, data, meta):
     _check_storage("append_kv", data, meta, page_size, k.shape[2], k.shape[1])
     _check_index("append_kv", "page_ids", page_ids, k.shape[0])
     _check_index("append_kv", "slots", slots, k.shape[0])
+    _check_devices("append_kv", data, k=k, v=v, page_ids=page_ids, slots=slots, meta=meta)
 
 
 @torch.library.register_fake("zipkv::paged_decode")
@@ -151,3 +159,5 @@ def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, p
     if lse is not None:
         _check(lse.dtype == torch.float32 and lse.shape == q.shape[:2], "zipkv.paged_decode: lse must be fp32 "
                "[batch, Hq]")
+    _check_devices("paged_decode", data, q=q, meta=meta, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                   kv_last_page_len=kv_last_page_len, out=out, lse=lse)

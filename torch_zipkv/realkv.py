@@ -100,12 +100,20 @@ def smollm2_gguf_path() -> pathlib.Path:
     )
 
 
-@functools.lru_cache(maxsize=None)
 def load_smollm2(dtype: torch.dtype = torch.bfloat16):
     """Load SmolLM2-135M-Instruct and its tokenizer from the GGUF file, in eval mode.
 
     Returns ``(model, tokenizer)``. Cached per dtype, since loading takes tens of seconds
-    (the GGUF is unpacked on every load) and tests ask for the model repeatedly.
+    (the GGUF is parsed and unpacked on every load) and tests ask for the model repeatedly.
+    """
+    # lru_cache keys on how arguments are spelled, so `load_smollm2()` and
+    # `load_smollm2(torch.bfloat16)` would each load a model; normalize to one key.
+    return _load_smollm2(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_smollm2(dtype: torch.dtype):
+    """Uncached body of ``load_smollm2``.
 
     ``GgufConfig(dequantize=True)`` is passed explicitly: transformers can also keep GGUF
     weights packed and run the matmuls in float32 kernels, casting the activations in and

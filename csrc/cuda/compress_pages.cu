@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   const unsigned int ticket = ticket_s;
   const int nb = blocks_per_stream(P, D);
   const int64_t first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
-  const int cta_streams = static_cast<int>(min<int64_t>(streams_per_cta, num_streams - first_stream));
+  const int cta_streams = static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
   const int cta_blocks = cta_streams * nb;
 
   // Encode pass: each warp takes blocks warp, warp + 8, ... and keeps its lanes' values in registers.

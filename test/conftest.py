@@ -1,0 +1,74 @@
+"""Shared fixtures: seeded generators, FlashInfer-style page tables, mixed compressed/raw storage, real KV."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import torch_zipkv
+from torch_zipkv import format as fmt
+from torch_zipkv import ops
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded from the test's name: fresh data per test, reproducible per test."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def page_table(seq_lens: list[int], page_size: int, num_pages: int, gen: torch.Generator, device="cpu"):
+    """kv_indptr, kv_indices (distinct pages in random order), kv_last_page_len for the given lengths."""
+    counts = [(n + page_size - 1) // page_size for n in seq_lens]
+    assert sum(counts) <= num_pages
+    perm = torch.randperm(num_pages, generator=gen)[: sum(counts)].to(torch.int32)
+    indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    last = torch.tensor([(n - 1) % page_size + 1 if n else 0 for n in seq_lens], dtype=torch.int32)
+    return indptr.to(device), perm.to(device), last.to(device)
+
+
+def store(kv: torch.Tensor, raw_pages: torch.Tensor | None = None) -> torch_zipkv.CompressedKV:
+    """Store pages like the cache does: pages in raw_pages (bool [n]) stay raw (open pages), the rest compress.
+    Two compress_pages calls into one arena, raw pages first, so both kinds of stream share data and meta."""
+    n, _, P, H, D = kv.shape
+    raw_pages = torch.zeros(n, dtype=torch.bool) if raw_pages is None else raw_pages.cpu()
+    cap = n * 2 * H * fmt.blocks_per_stream(P, D) * fmt.RAW_BLOCK_BYTES
+    data = torch.empty(cap, dtype=torch.uint8, device=kv.device)
+    meta = torch.full((n, 2, H, fmt.meta_words(P, D)), -1, dtype=torch.int32, device=kv.device)
+    cursor = torch.tensor([0, cap], dtype=torch.int64, device=kv.device)
+    for raw in (True, False):
+        ids = raw_pages.eq(raw).nonzero().flatten().to(torch.int32)
+        if ids.numel():
+            ops.compress_pages(kv[ids.to(kv.device)], ids.to(kv.device), data, meta, cursor, allow_compress=not raw)
+    return torch_zipkv.CompressedKV(data=data[: int(cursor[0])].clone(), meta=meta, page_size=P, head_dim=D)
+
+
+def random_kv(n, page_size, heads, head_dim, gen, scale=1.0):
+    """Gaussian bf16 pages: nearly every block compresses; a rare tiny value leaves its block raw."""
+    return (torch.randn(n, 2, page_size, heads, head_dim, generator=gen) * scale).to(torch.bfloat16)
+
+
+def compressible_kv(n, page_size, heads, head_dim, gen):
+    """bf16 pages whose magnitudes lie in [2^-3, 2^4): every block compresses."""
+    shape = (n, 2, page_size, heads, head_dim)
+    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    mag = (1 + torch.rand(shape, generator=gen)) * 2.0 ** torch.randint(-3, 3, shape, generator=gen)
+    return (sign * mag).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def real_kv():
+    """Real KV of SmolLM2-135M over 2048 tokens of English text: bf16 [30, 128, 2, 16, 3, 64] (layer first)."""
+    from torch_zipkv import realkv
+
+    try:
+        realkv.smollm2_gguf_path()
+    except ModuleNotFoundError as e:
+        if os.environ.get("ZIPKV_REQUIRE_MODEL") == "1":
+            raise
+        pytest.skip(str(e))
+    return realkv.real_kv(2048, page_size=16)

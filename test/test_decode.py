@@ -1,0 +1,88 @@
+"""paged_decode (CPU kernel) against dense float64 attention, on compressed, raw and mixed pages."""
+
+import math
+
+import pytest
+import torch
+
+import torch_zipkv
+from torch_zipkv import reference
+
+from conftest import page_table, random_kv, store
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def run_case(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None):
+    n, _, P, H, D = kv.shape
+    ckv = store(kv, raw_pages)
+    indptr, indices, last = page_table(seq_lens, P, n, gen)
+    q = torch.randn(len(seq_lens), num_qo_heads, D, generator=gen).to(torch.bfloat16)
+    lse = torch.empty(len(seq_lens), num_qo_heads)
+    out = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, lse=lse)
+    ref, ref_lse = reference.decode_attention(q, kv, indptr, indices, last, scale or 1 / math.sqrt(D))
+    return out, lse, ref, ref_lse
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_matches_float64_reference_mixed_pages(gen, head_dim, group):
+    heads = 2
+    kv = random_kv(24, 16, heads, head_dim, gen)
+    kv[kv.abs() < 1e-3] = 0.0  # exact zeros, as BF16 RoPE makes: some blocks stay raw
+    raw_pages = torch.rand(24, generator=gen) < 0.4
+    seq_lens = [1, 16, 17, 45, 100]  # 1-token request, full page, partial last pages
+    out, lse, ref, ref_lse = run_case(kv, raw_pages, seq_lens, heads * group, gen)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, heads * group, head_dim)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_larger_pages(gen, page_size):
+    kv = random_kv(10, page_size, 1, 128, gen)
+    out, _, ref, _ = run_case(kv, torch.rand(10, generator=gen) < 0.5, [1, page_size + 3, 3 * page_size], 4, gen)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_scale_and_peaked_softmax(gen):
+    """A large sm_scale makes the softmax nearly one-hot: errors in max-tracking would show."""
+    kv = random_kv(8, 16, 1, 64, gen, scale=3.0)
+    out, lse, ref, ref_lse = run_case(kv, None, [40, 77], 2, gen, scale=2.0)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_request_without_pages_gives_zeros(gen):
+    kv = random_kv(4, 16, 1, 64, gen)
+    out, lse, ref, ref_lse = run_case(kv, None, [20, 0, 5], 1, gen)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and lse[1].item() == float("-inf")
+    assert rel_err(out[[0, 2]], ref[[0, 2]]) < 1e-2
+
+
+def test_out_argument_is_written_in_place(gen):
+    kv = random_kv(4, 16, 1, 64, gen)
+    ckv = torch_zipkv.compress(kv)
+    indptr, indices, last = page_table([30, 10], 16, 4, gen)
+    q = torch.randn(2, 2, 64, generator=gen).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    res = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, out=out)
+    assert res is out and not out.isnan().any()
+
+
+def test_real_kv_mixed_pages(real_kv, gen):
+    """SmolLM2 shape (9 query heads, 3 kv heads, d 64) on its own KV, real queries taken from its K."""
+    for layer in (0, 15, 29):
+        kv = real_kv[layer]
+        n = kv.shape[0]
+        raw_pages = torch.rand(n, generator=gen) < 0.3
+        seq_lens = [1, 333, 1024, 700]
+        ckv = store(kv, raw_pages)
+        indptr, indices, last = page_table(seq_lens, 16, n, gen)
+        # Real-scale queries: K vectors of the same layer (Q and K live in one space after RoPE).
+        q = kv[torch.randint(0, n, (4,), generator=gen), 0, 3].repeat_interleave(3, dim=1)
+        out = torch_zipkv.paged_decode(q, ckv, indptr, indices, last)
+        ref, _ = reference.decode_attention(q, kv, indptr, indices, last, 1 / 8)
+        assert rel_err(out, ref) < 1e-2, layer

@@ -1,0 +1,96 @@
+"""Pure-PyTorch oracle: an independent statement of the format (encoder and decoder), and dense float64 decode
+attention. Slow and obviously correct; tests compare the C++/CUDA kernels with it."""
+
+from __future__ import annotations
+
+import torch
+
+from . import format as fmt
+
+
+def lane_coords(is_v: bool) -> list[tuple[int, int]]:
+    """(token, dim) of each of the 512 positions of a block, read off the mma.sync.m16n8k16 B-operand fragments:
+    lane 4g+t holds, in order, the values it feeds to the tensor cores (docs/FORMAT.md)."""
+    coords = []
+    for g in range(8):
+        for t in range(4):
+            pairs = [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
+            if is_v:  # B of P·V: dim g + 8j of 4 n-tiles, tokens {2t, 2t+1, 2t+8, 2t+9}
+                coords += [(tok, g + 8 * j) for j in range(4) for tok in pairs]
+            else:  # B of Q·Kᵀ: tokens g and g+8 (2 n-tiles), dims 16c + {2t, 2t+1, 2t+8, 2t+9} of 2 k-chunks
+                coords += [(g + 8 * nt, 16 * c + d) for nt in range(2) for c in range(2) for d in pairs]
+    return coords
+
+
+def _blocks(kv: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, 2, P, H, D] -> int64 bit patterns [n, 2, H, blocks, 512] in position order."""
+    n, _, P, H, D = kv.shape
+    u = kv.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    u = u.view(n, 2, P // 16, 16, H, D // 32, 32).permute(0, 1, 4, 2, 5, 3, 6)  # n, 2, H, tiles, spans, tok, dim
+    u = u.reshape(n, 2, H, -1, 16 * 32)
+    out = torch.empty_like(u)
+    for is_v in (0, 1):
+        src = torch.tensor([tok * 32 + dim for tok, dim in lane_coords(bool(is_v))])
+        out[:, is_v] = u[:, is_v][..., src]
+    return out
+
+
+def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes (uint8 [nbytes]) and meta (int32 [n, 2, H, W]) that compress_pages writes at cursor 0."""
+    n, _, P, H, D = kv.shape
+    v = _blocks(kv)
+    e = (v >> 7) & 0xFF
+    base = e.amin(-1) & ~1
+    comp = (e.amax(-1) - base <= 15) & compress
+    low = v & 0xFF
+    d = (e >> 1) - (base >> 1).unsqueeze(-1)
+    s = v >> 15
+    g = lambda x: x.view(*x.shape[:-1], 64, 8)  # noqa: E731  8-position groups
+    sd = g(s), g(d)
+    codes = (sd[0][..., :4] << 7) | sd[1][..., :4] | (sd[0][..., 4:] << 3) | (sd[1][..., 4:] << 4)
+    comp_bytes = torch.cat([low, codes.flatten(-2)], -1)  # [..., 768]
+    raw_bytes = torch.stack([v & 0xFF, v >> 8], -1).flatten(-2)  # [..., 1024] little-endian
+    chunks, meta = [], torch.zeros(n, 2, H, fmt.meta_words(P, D), dtype=torch.int32)
+    desc = torch.where(comp, base >> 1, fmt.DESC_RAW)
+    offset = 0
+    for i in range(n):
+        for kvi in range(2):
+            for h in range(H):
+                meta[i, kvi, h, 0] = offset // fmt.STREAM_ALIGN
+                for b in range(desc.shape[-1]):
+                    block = comp_bytes[i, kvi, h, b] if comp[i, kvi, h, b] else raw_bytes[i, kvi, h, b]
+                    chunks.append(block)
+                    offset += block.numel()
+    desc_bytes = torch.zeros(n, 2, H, (fmt.meta_words(P, D) - 1) * 4, dtype=torch.uint8)
+    desc_bytes[..., : desc.shape[-1]] = desc.to(torch.uint8)
+    meta[..., 1:] = desc_bytes.view(torch.int32)
+    data = torch.cat(chunks).to(torch.uint8) if chunks else torch.empty(0, dtype=torch.uint8)
+    return data, meta
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 decode attention over natural pages kv (bf16 [pages, 2, P, H, D]); returns (out, lse) with
+    out float64 [batch, Hq, D] (zeros for a request with no pages) and lse float64 [batch, Hq] (-inf there)."""
+    batch, hq, dim = q.shape
+    heads = kv.shape[3]
+    out = torch.zeros(batch, hq, dim, dtype=torch.float64)
+    lse = torch.full((batch, hq), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long().cpu()
+        if pages.numel() == 0:
+            continue
+        tokens = kv[pages].double().cpu().permute(1, 0, 2, 3, 4).reshape(2, -1, heads, dim)  # [2, L, H, D]
+        length = (pages.numel() - 1) * kv.shape[2] + int(kv_last_page_len[b])
+        k = tokens[0, :length].repeat_interleave(hq // heads, dim=1)  # [L, Hq, D]
+        v = tokens[1, :length].repeat_interleave(hq // heads, dim=1)
+        logits = torch.einsum("hd,lhd->hl", q[b].double().cpu(), k) * sm_scale
+        lse[b] = torch.logsumexp(logits, -1)
+        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), v)
+    return out, lse
