@@ -27,14 +27,20 @@ __device__ __forceinline__ int64_t natural_block_base(int64_t stream, int b, int
   return (((i * 2 + is_v) * P + (b / spans) * kTileTokens) * H + head) * D + (b % spans) * kBlockDims;
 }
 
-// Loads a block from natural layout (row stride H*D elements) into stage with 16-byte loads.
-__device__ __forceinline__ void load_block_to_stage(const uint16_t* base, int64_t row_stride, uint32_t* stage,
-                                                    int lane) {
+// A lane's two 16-byte chunks of a block in natural layout (row stride in elements): issue these early, stage later.
+__device__ __forceinline__ void load_block_chunks(const uint16_t* base, int64_t row_stride, int lane, uint4 r[2]) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int c = lane + kWarp * j, row = c / 4, part = c % 4;
-    const uint4 x = *reinterpret_cast<const uint4*>(base + row * row_stride + part * 8);
-    *reinterpret_cast<uint4*>(stage + row * kRowWords + part * 4) = x;
+    r[j] = *reinterpret_cast<const uint4*>(base + row * row_stride + part * 8);
+  }
+}
+
+__device__ __forceinline__ void stage_block_chunks(const uint4 r[2], uint32_t* stage, int lane) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int c = lane + kWarp * j, row = c / 4, part = c % 4;
+    *reinterpret_cast<uint4*>(stage + row * kRowWords + part * 4) = r[j];
   }
 }
 

@@ -24,35 +24,48 @@ struct Scratch {          // zeroed before each launch
   uint64_t status[1];     // [num_ctas]
 };
 
-// Exclusive prefix of CTA `ticket` (bytes from the start of data), publishing its own inclusive prefix.
-__device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggregate, int64_t first_offset) {
-  volatile uint64_t* status = scratch->status;
+// Exclusive prefix of CTA `ticket` (bytes from the start of data), publishing its own inclusive prefix. Called by
+// one whole warp: each round reads the status of 32 predecessors at once, summing aggregates back to the nearest
+// inclusive prefix (decoupled look-back), so the chain costs a few L2 round trips, not one per predecessor.
+__device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggregate, int64_t first_offset, int lane) {
+  auto publish = [&](uint64_t word) {
+    if (lane == 0) atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[ticket]), word);
+  };
   if (ticket == 0) {
-    atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[0]), kFlagPrefix | (first_offset + aggregate));
+    publish(kFlagPrefix | (first_offset + aggregate));
     return first_offset;
   }
-  atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[ticket]), kFlagAggregate | aggregate);
+  publish(kFlagAggregate | aggregate);
+  const volatile uint64_t* status = scratch->status;
   int64_t exclusive = 0;
-  for (int64_t j = static_cast<int64_t>(ticket) - 1;; ) {
-    const uint64_t s = status[j];
-    if (s == 0) continue;  // predecessor still encoding; it holds an earlier ticket, so it is running
-    exclusive += static_cast<int64_t>(s & kValueMask);
-    if (s & kFlagPrefix) break;
-    --j;
+  for (int64_t j = static_cast<int64_t>(ticket) - 1;;) {
+    const int64_t idx = j - lane;  // lane 0 is the nearest predecessor
+    const uint64_t s = idx >= 0 ? status[idx] : kFlagPrefix;
+    const unsigned pending = __ballot_sync(0xffffffffu, s == 0);
+    const unsigned prefix = __ballot_sync(0xffffffffu, (s & kFlagPrefix) != 0);
+    const unsigned stop = prefix & (0u - prefix);  // nearest lane holding an inclusive prefix
+    const unsigned upto = stop ? (stop | (stop - 1)) : 0xffffffffu;
+    if (pending & upto) continue;  // a nearer predecessor has not published yet: it holds an earlier ticket, so runs
+    int64_t v = ((upto >> lane) & 1) ? static_cast<int64_t>(s & kValueMask) : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    exclusive += v;
+    if (stop) break;
+    j -= kWarp;
   }
-  atomicExch(reinterpret_cast<unsigned long long*>(&scratch->status[ticket]), kFlagPrefix | (exclusive + aggregate));
+  publish(kFlagPrefix | (exclusive + aggregate));
   return exclusive;
 }
 
 template <int kMaxBlocksPerWarp>
-__global__ void __launch_bounds__(kThreads) compress_pages_kernel(
+__global__ void __launch_bounds__(kThreads, kMaxBlocksPerWarp <= 2 ? 4 : 1) compress_pages_kernel(
     const uint16_t* __restrict__ kv,  // [n, 2, P, H, D]
     const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
     int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages, int64_t* __restrict__ cursor, Scratch* scratch,
     int64_t num_streams, int P, int H, int D, int words, int streams_per_cta, unsigned int num_ctas) {
   __shared__ uint32_t stage[kWarps][kStageWords];
   __shared__ uint8_t desc_s[kWarps * kMaxBlocksPerWarp];
-  __shared__ int32_t block_off_s[kWarps * kMaxBlocksPerWarp];
+  __shared__ int32_t block_off_s[kWarps * kMaxBlocksPerWarp + 1];
   __shared__ int64_t stream_start_s[kBlocksPerCta + 1];
   __shared__ unsigned int ticket_s;
   __shared__ int64_t base_s, limit_s;
@@ -66,16 +79,23 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   const int cta_streams = static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
   const int cta_blocks = cta_streams * nb;
 
-  // Encode pass: each warp takes blocks warp, warp + 8, ... and keeps its lanes' values in registers.
+  // Encode pass: each warp takes blocks warp, warp + 8, ..., issues all their loads first (bytes in flight hide
+  // HBM latency), then stages each in shared memory to regroup it into lane order, kept in registers.
+  uint4 chunks[kMaxBlocksPerWarp][2];
+#pragma unroll
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x < cta_blocks)
+      load_block_chunks(kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D), static_cast<int64_t>(H) * D,
+                        lane, chunks[k]);
+  }
   uint16_t vals[kMaxBlocksPerWarp][16];
 #pragma unroll
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
     const int x = warp + kWarps * k;
     if (x >= cta_blocks) break;
-    const int64_t stream = first_stream + x / nb;
-    const int is_v = (stream / H) % 2;
-    load_block_to_stage(kv + natural_block_base(stream, x % nb, P, H, D), static_cast<int64_t>(H) * D, stage[warp],
-                        lane);
+    const int is_v = ((first_stream + x / nb) / H) % 2;
+    stage_block_chunks(chunks[k], stage[warp], lane);
     __syncwarp();
     gather_lane_values(stage[warp], is_v, lane, vals[k]);
     __syncwarp();
@@ -91,18 +111,26 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   }
   __syncthreads();
 
-  // Layout of this CTA's bytes, then its place after all earlier CTAs.
-  if (threadIdx.x == 0) {
-    int32_t off = 0;
-    for (int x = 0; x < cta_blocks; ++x) block_off_s[x] = off, off += block_bytes(desc_s[x]);
+  // Layout of this CTA's bytes, then its place after all earlier CTAs (warp 0).
+  if (warp == 0) {
+    if (lane == 0) {
+      int32_t off = 0;
+      for (int x = 0; x < cta_blocks; ++x) block_off_s[x] = off, off += block_bytes(desc_s[x]);
+      block_off_s[cta_blocks] = off;
+    }
+    __syncwarp();
+    const int32_t total = block_off_s[cta_blocks];
     // Read the cursor before publishing: the last CTA rewrites cursor[0] only after every CTA has published.
     const int64_t next = cursor[0], end = cursor[1];
-    base_s = look_back(scratch, ticket, off, next);
-    // A cursor the CPU kernel would reject ({next, end} out of order, past data, or next unaligned) stores nothing.
-    const bool sane = next >= 0 && next % kStreamAlign == 0 && next <= end && end <= data_bytes;
-    limit_s = sane ? end : -1;
-    for (int s = 0; s <= cta_streams; ++s) stream_start_s[s] = base_s + (s < cta_streams ? block_off_s[s * nb] : off);
-    if (ticket == num_ctas - 1 && sane) cursor[0] = base_s + off;
+    const int64_t base = look_back(scratch, ticket, total, next, lane);
+    if (lane == 0) {
+      base_s = base;
+      // A cursor the CPU kernel would reject ({next, end} out of order, past data, or next unaligned) stores nothing.
+      const bool sane = next >= 0 && next % kStreamAlign == 0 && next <= end && end <= data_bytes;
+      limit_s = sane ? end : -1;
+      for (int s = 0; s <= cta_streams; ++s) stream_start_s[s] = base + block_off_s[s * nb];
+      if (ticket == num_ctas - 1 && sane) cursor[0] = base + total;
+    }
   }
   __syncthreads();
 

@@ -1,4 +1,4 @@
-// CUDA kernel of zipkv::decompress_pages: one warp per block, decoded in registers, written in natural layout with
+// CUDA kernel of zipkv::decompress_pages: each warp fetches two blocks, rebuilds them in registers, written in natural layout with
 // 16-byte stores. A stream whose meta row is missing or corrupt is never read: its values come back as 0xFFFF (NaN).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,20 +13,30 @@ namespace {
 
 constexpr int kWarps = 8;
 
-// The lane's 16 values of a block stored at src with descriptor desc (format.h, position order).
-__device__ __forceinline__ void load_lane_values(const uint8_t* src, uint8_t desc, int lane, uint16_t v[16]) {
+constexpr int kBlocksPerWarp = 2;  // both blocks' loads are issued before either is decoded
+
+// Fetches the lane's bytes of a block stored at src with descriptor desc: raw, its 32 bytes; compressed, its 16 low
+// bytes (r[0]) and 8 code bytes (r[1].x, r[1].y).
+__device__ __forceinline__ void fetch_lane_bytes(const uint8_t* src, uint8_t desc, int lane, uint4 r[2]) {
   if (desc == kDescRaw) {
-    uint4 r[2];
     r[0] = reinterpret_cast<const uint4*>(src)[2 * lane];
     r[1] = reinterpret_cast<const uint4*>(src)[2 * lane + 1];
+  } else {
+    r[0] = reinterpret_cast<const uint4*>(src)[lane];
+    const uint2 codes = reinterpret_cast<const uint2*>(src + kLowBytes)[lane];
+    r[1] = make_uint4(codes.x, codes.y, 0, 0);
+  }
+}
+
+// The lane's 16 values (position order) from its fetched bytes.
+__device__ __forceinline__ void rebuild_lane_values(const uint4 r[2], uint8_t desc, uint16_t v[16]) {
+  if (desc == kDescRaw) {
     const uint16_t* rv = reinterpret_cast<const uint16_t*>(r);
 #pragma unroll
     for (int idx = 0; idx < 16; ++idx) v[idx] = rv[idx];
     return;
   }
-  const uint4 low = reinterpret_cast<const uint4*>(src)[lane];
-  const uint2 codes = reinterpret_cast<const uint2*>(src + kLowBytes)[lane];
-  const uint32_t lw[4] = {low.x, low.y, low.z, low.w}, cw[2] = {codes.x, codes.y};
+  const uint32_t lw[4] = {r[0].x, r[0].y, r[0].z, r[0].w}, cw[2] = {r[1].x, r[1].y};
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     uint32_t h[2];
@@ -39,32 +49,51 @@ __device__ __forceinline__ void load_lane_values(const uint8_t* src, uint8_t des
   }
 }
 
-__global__ void __launch_bounds__(kWarps * kWarp) decompress_pages_kernel(
+__global__ void __launch_bounds__(kWarps * kWarp, 4) decompress_pages_kernel(
     const uint8_t* __restrict__ data, int64_t data_bytes, const int32_t* __restrict__ meta,
     const int32_t* __restrict__ page_ids, int64_t num_pages, uint16_t* __restrict__ out, int64_t num_blocks, int P,
     int H, int D, int words) {
   __shared__ uint32_t stage[kWarps][kStageWords];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t x = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (x >= num_blocks) return;
   const int nb = blocks_per_stream(P, D);
-  const int64_t stream = x / nb;
-  const int b = x % nb, is_v = (stream / H) % 2;
-  const int64_t page = page_ids[stream / (2 * H)];
-  uint16_t v[16];
-  int64_t start = 0;
-  int nbytes = 0;
-  const int32_t* row = meta + ((page * 2 + is_v) * H + stream % H) * words;
-  if (page >= 0 && page < num_pages && read_stream(row, nb, data_bytes, &start, &nbytes) == kStreamOk) {
-    const uint8_t* desc = reinterpret_cast<const uint8_t*>(row + 1);
-    load_lane_values(data + start + block_offset(desc, b), desc[b], lane, v);
-  } else {
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kBlocksPerWarp;
+  uint4 bytes[kBlocksPerWarp][2];
+  uint8_t desc[kBlocksPerWarp];
+  bool ok[kBlocksPerWarp];
 #pragma unroll
-    for (int idx = 0; idx < 16; ++idx) v[idx] = 0xFFFF;
+  for (int k = 0; k < kBlocksPerWarp; ++k) {
+    const int64_t x = first + k, stream = x / nb;
+    ok[k] = false;
+    if (x >= num_blocks) continue;
+    const int64_t page = page_ids[stream / (2 * H)];
+    if (page < 0 || page >= num_pages) continue;
+    const int32_t* row = meta + ((page * 2 + (stream / H) % 2) * H + stream % H) * words;
+    int64_t start;
+    int nbytes;
+    if (read_stream(row, nb, data_bytes, &start, &nbytes) != kStreamOk) continue;
+    const uint8_t* d = reinterpret_cast<const uint8_t*>(row + 1);
+    const int b = x % nb;
+    desc[k] = d[b];
+    ok[k] = true;
+    fetch_lane_bytes(data + start + block_offset(d, b), desc[k], lane, bytes[k]);
   }
-  scatter_lane_values(stage[warp], is_v, lane, v);
-  __syncwarp();
-  store_stage_to_block(stage[warp], out + natural_block_base(stream, b, P, H, D), static_cast<int64_t>(H) * D, lane);
+#pragma unroll
+  for (int k = 0; k < kBlocksPerWarp; ++k) {
+    const int64_t x = first + k, stream = x / nb;
+    if (x >= num_blocks) break;
+    uint16_t v[16];
+    if (ok[k]) {
+      rebuild_lane_values(bytes[k], desc[k], v);
+    } else {
+#pragma unroll
+      for (int idx = 0; idx < 16; ++idx) v[idx] = 0xFFFF;
+    }
+    scatter_lane_values(stage[warp], (stream / H) % 2, lane, v);
+    __syncwarp();
+    store_stage_to_block(stage[warp], out + natural_block_base(stream, x % nb, P, H, D), static_cast<int64_t>(H) * D,
+                         lane);
+    __syncwarp();
+  }
 }
 
 void decompress_pages_cuda(const at::Tensor& data, const at::Tensor& meta, const at::Tensor& page_ids,
@@ -75,7 +104,8 @@ void decompress_pages_cuda(const at::Tensor& data, const at::Tensor& meta, const
   const int P = out.size(2), H = out.size(3), D = out.size(4);
   const int64_t num_blocks = n * 2 * H * blocks_per_stream(P, D);
   const c10::cuda::CUDAGuard guard(data.device());
-  decompress_pages_kernel<<<static_cast<unsigned int>((num_blocks + kWarps - 1) / kWarps), kWarps * kWarp, 0,
+  const int64_t per_cta = kWarps * kBlocksPerWarp;
+  decompress_pages_kernel<<<static_cast<unsigned int>((num_blocks + per_cta - 1) / per_cta), kWarps * kWarp, 0,
                             c10::cuda::getCurrentCUDAStream()>>>(
       data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), page_ids.data_ptr<int32_t>(), meta.size(0),
       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), num_blocks, P, H, D, meta.size(3));
