@@ -128,7 +128,7 @@ def test_storage_ops_capture_in_cuda_graph(gen):
     zero_page = torch.zeros(1, 2, P, H, D, dtype=torch.bfloat16, device="cuda")
 
     def body():
-        cursor[0] = 0
+        cursor[:1].zero_()  # a device-side reset: no host copy inside the graph
         ops.compress_pages(zero_page, open_id, data, meta, cursor, allow_compress=False)  # the open page
         ops.compress_pages(kv, ids, data, meta, cursor)
         ops.append_kv(tok[0], tok[1], open_id, slot, P, data, meta)

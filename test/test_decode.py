@@ -78,7 +78,7 @@ def test_real_kv_mixed_pages(real_kv, gen):
         kv = real_kv[layer]
         n = kv.shape[0]
         raw_pages = torch.rand(n, generator=gen) < 0.3
-        seq_lens = [1, 333, 1024, 700]
+        seq_lens = [1, 333, 1000, 600]
         ckv = store(kv, raw_pages)
         indptr, indices, last = page_table(seq_lens, 16, n, gen)
         # Real-scale queries: K vectors of the same layer (Q and K live in one space after RoPE).

@@ -1,7 +1,6 @@
-// CUDA kernel of zipkv::compress_pages, one pass over the input. Work comes in units of whole streams, taken in
-// ticket order by persistent CTAs; a CTA encodes a unit, learns where its bytes go through a decoupled look-back over
-// earlier tickets (so the layout is the CPU kernel's: streams back to back from cursor[0]), then writes them.
-// No host sync: capturable in a CUDA Graph.
+// CUDA kernel of zipkv::compress_pages, one pass over the input: each CTA encodes whole streams, learns where its
+// bytes go through a decoupled look-back over the CTAs before it (ordered by a ticket, so the layout is the CPU
+// kernel's: streams back to back from cursor[0]), then writes. No host sync: capturable in a CUDA Graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -58,38 +57,8 @@ __device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggr
   return exclusive;
 }
 
-// Geometry of one work unit (ticket): whole streams, kMaxBlocksPerWarp blocks per warp at most.
-struct Unit {
-  int64_t first_stream;
-  int streams, blocks;
-};
-
-__device__ __forceinline__ Unit unit_of(unsigned int ticket, int64_t num_streams, int streams_per_cta, int nb) {
-  Unit u;
-  u.first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
-  const int64_t left = num_streams - u.first_stream;
-  u.streams = static_cast<int>(left < streams_per_cta ? left : streams_per_cta);
-  u.blocks = u.streams * nb;
-  return u;
-}
-
-// Issues the loads of the warp's blocks of a unit (natural layout, 16-byte chunks); used before they are needed.
 template <int kMaxBlocksPerWarp>
-__device__ __forceinline__ void load_unit(const uint16_t* kv, const Unit& u, int nb, int P, int H, int D, int warp,
-                                          int lane, uint4 chunks[kMaxBlocksPerWarp][2]) {
-#pragma unroll
-  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-    const int x = warp + kWarps * k;
-    if (x < u.blocks)
-      load_block_chunks(kv + natural_block_base(u.first_stream + x / nb, x % nb, P, H, D),
-                        static_cast<int64_t>(H) * D, lane, chunks[k]);
-  }
-}
-
-// Persistent CTAs take tickets in order; while one unit is encoded, placed (look-back) and written, the loads of the
-// CTA's next unit are already in flight, so HBM stays busy through the look-back and the stores.
-template <int kMaxBlocksPerWarp>
-__global__ void __launch_bounds__(kThreads, kMaxBlocksPerWarp <= 2 ? 3 : 1) compress_pages_kernel(
+__global__ void __launch_bounds__(kThreads, kMaxBlocksPerWarp <= 2 ? 4 : 1) compress_pages_kernel(
     const uint16_t* __restrict__ kv,  // [n, 2, P, H, D]
     const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
     int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages, int64_t* __restrict__ cursor, Scratch* scratch,
@@ -102,117 +71,112 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerWarp <= 2 ? 3 : 1) comp
   __shared__ int64_t base_s, limit_s;
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int nb = blocks_per_stream(P, D);
   if (threadIdx.x == 0) ticket_s = atomicAdd(&scratch->ticket, 1u);
   __syncthreads();
-  unsigned int ticket = ticket_s;
-  if (ticket >= num_ctas) return;
-  Unit u = unit_of(ticket, num_streams, streams_per_cta, nb);
+  const unsigned int ticket = ticket_s;
+  const int nb = blocks_per_stream(P, D);
+  const int64_t first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
+  const int cta_streams = static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
+  const int cta_blocks = cta_streams * nb;
+
+  // Encode pass: each warp takes blocks warp, warp + 8, ..., issues all their loads first (bytes in flight hide
+  // HBM latency), then stages each in shared memory to regroup it into lane order, kept in registers.
   uint4 chunks[kMaxBlocksPerWarp][2];
-  load_unit<kMaxBlocksPerWarp>(kv, u, nb, P, H, D, warp, lane, chunks);
-
-  while (true) {
-    __syncthreads();  // everyone has read ticket_s and finished with the previous unit's shared memory
-    if (threadIdx.x == 0) ticket_s = atomicAdd(&scratch->ticket, 1u);
-
-    // Regroup the unit's blocks into lane order (registers) and choose descriptors.
-    uint16_t vals[kMaxBlocksPerWarp][16];
 #pragma unroll
-    for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-      const int x = warp + kWarps * k;
-      if (x >= u.blocks) break;
-      stage_block_chunks(chunks[k], stage[warp], lane);
-      __syncwarp();
-      gather_lane_values(stage[warp], ((u.first_stream + x / nb) / H) % 2, lane, vals[k]);
-      __syncwarp();
-      int emin = 255, emax = 0;
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x < cta_blocks)
+      load_block_chunks(kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D), static_cast<int64_t>(H) * D,
+                        lane, chunks[k]);
+  }
+  uint16_t vals[kMaxBlocksPerWarp][16];
 #pragma unroll
-      for (int idx = 0; idx < 16; ++idx)
-        emin = min(emin, exponent_of(vals[k][idx])), emax = max(emax, exponent_of(vals[k][idx]));
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x >= cta_blocks) break;
+    const int is_v = ((first_stream + x / nb) / H) % 2;
+    stage_block_chunks(chunks[k], stage[warp], lane);
+    __syncwarp();
+    gather_lane_values(stage[warp], is_v, lane, vals[k]);
+    __syncwarp();
+    int emin = 255, emax = 0;
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2) {
-        emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
-        emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
-      }
-      if (lane == 0) desc_s[x] = allow_compress ? descriptor_for(emin, emax) : kDescRaw;
+    for (int idx = 0; idx < 16; ++idx) emin = min(emin, exponent_of(vals[k][idx])), emax = max(emax, exponent_of(vals[k][idx]));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
+      emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
     }
-    __syncthreads();
+    if (lane == 0) desc_s[x] = allow_compress ? descriptor_for(emin, emax) : kDescRaw;
+  }
+  __syncthreads();
 
-    // Next unit's loads go out now, to land while this unit is placed and written.
-    const unsigned int next_ticket = ticket_s;
-    const Unit next = unit_of(next_ticket, num_streams, streams_per_cta, nb);
-    if (next_ticket < num_ctas) load_unit<kMaxBlocksPerWarp>(kv, next, nb, P, H, D, warp, lane, chunks);
+  // Layout of this CTA's bytes, then its place after all earlier CTAs (warp 0).
+  if (warp == 0) {
+    if (lane == 0) {
+      int32_t off = 0;
+      for (int x = 0; x < cta_blocks; ++x) block_off_s[x] = off, off += block_bytes(desc_s[x]);
+      block_off_s[cta_blocks] = off;
+    }
+    __syncwarp();
+    const int32_t total = block_off_s[cta_blocks];
+    // Read the cursor before publishing: the last CTA rewrites cursor[0] only after every CTA has published.
+    const int64_t next = cursor[0], end = cursor[1];
+    const int64_t base = look_back(scratch, ticket, total, next, lane);
+    if (lane == 0) {
+      base_s = base;
+      // A cursor the CPU kernel would reject ({next, end} out of order, past data, or next unaligned) stores nothing.
+      const bool sane = next >= 0 && next % kStreamAlign == 0 && next <= end && end <= data_bytes;
+      limit_s = sane ? end : -1;
+      for (int s = 0; s <= cta_streams; ++s) stream_start_s[s] = base + block_off_s[s * nb];
+      if (ticket == num_ctas - 1 && sane) cursor[0] = base + total;
+    }
+  }
+  __syncthreads();
 
-    // Layout of this unit's bytes, then its place after all earlier units (warp 0).
-    if (warp == 0) {
-      if (lane == 0) {
-        int32_t off = 0;
-        for (int x = 0; x < u.blocks; ++x) block_off_s[x] = off, off += block_bytes(desc_s[x]);
-        block_off_s[u.blocks] = off;
-      }
-      __syncwarp();
-      const int32_t total = block_off_s[u.blocks];
-      // Read the cursor before publishing: the last unit rewrites cursor[0] only after every unit has published.
-      const int64_t next_free = cursor[0], end = cursor[1];
-      const int64_t base = look_back(scratch, ticket, total, next_free, lane);
-      if (lane == 0) {
-        base_s = base;
-        // A cursor the CPU kernel would reject ({next, end} out of order, past data, next unaligned) stores nothing.
-        const bool sane = next_free >= 0 && next_free % kStreamAlign == 0 && next_free <= end && end <= data_bytes;
-        limit_s = sane ? end : -1;
-        for (int st = 0; st <= u.streams; ++st) stream_start_s[st] = base + block_off_s[st * nb];
-        if (ticket == num_ctas - 1 && sane) cursor[0] = base + total;
-      }
-    }
-    __syncthreads();
-
-    // Write pass: only streams that end within the usable bytes are stored.
+  // Write pass: only streams that end within the usable bytes are stored.
 #pragma unroll
-    for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-      const int x = warp + kWarps * k;
-      if (x >= u.blocks) break;
-      if (stream_start_s[x / nb + 1] > limit_s) break;
-      uint8_t* dst = data + base_s + block_off_s[x];
-      const uint8_t desc = desc_s[x];
-      if (desc == kDescRaw) {
-        uint4 r[2];
-        uint16_t* rv = reinterpret_cast<uint16_t*>(r);
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x >= cta_blocks) break;
+    const int s = x / nb;
+    if (stream_start_s[s + 1] > limit_s) break;
+    uint8_t* dst = data + base_s + block_off_s[x];
+    const uint8_t desc = desc_s[x];
+    if (desc == kDescRaw) {
+      uint4 r[2];
+      uint16_t* rv = reinterpret_cast<uint16_t*>(r);
 #pragma unroll
-        for (int idx = 0; idx < 16; ++idx) rv[idx] = vals[k][idx];
-        reinterpret_cast<uint4*>(dst)[2 * lane] = r[0];
-        reinterpret_cast<uint4*>(dst)[2 * lane + 1] = r[1];
-      } else {
-        uint4 low;
-        uint8_t* lb = reinterpret_cast<uint8_t*>(&low);
+      for (int idx = 0; idx < 16; ++idx) rv[idx] = vals[k][idx];
+      reinterpret_cast<uint4*>(dst)[2 * lane] = r[0];
+      reinterpret_cast<uint4*>(dst)[2 * lane + 1] = r[1];
+    } else {
+      uint4 low;
+      uint8_t* lb = reinterpret_cast<uint8_t*>(&low);
 #pragma unroll
-        for (int idx = 0; idx < 16; ++idx) lb[idx] = static_cast<uint8_t>(vals[k][idx] & 0xFF);
-        reinterpret_cast<uint4*>(dst)[lane] = low;
-        reinterpret_cast<uint2*>(dst + kLowBytes)[lane] =
-            make_uint2(encode_group(vals[k], desc), encode_group(vals[k] + 8, desc));
-      }
+      for (int idx = 0; idx < 16; ++idx) lb[idx] = static_cast<uint8_t>(vals[k][idx] & 0xFF);
+      uint2 codes = make_uint2(encode_group(vals[k], desc), encode_group(vals[k] + 8, desc));
+      reinterpret_cast<uint4*>(dst)[lane] = low;
+      reinterpret_cast<uint2*>(dst + kLowBytes)[lane] = codes;
     }
-    // Meta rows: one thread per stream.
-    if (threadIdx.x < u.streams) {
-      const int st = threadIdx.x;
-      const int64_t stream = u.first_stream + st;
-      const int64_t page = page_ids[stream / (2 * H)];
-      if (page >= 0 && page < num_pages) {  // the CPU kernel raises; here the row cannot be written at all
-        int32_t* row = meta + ((page * 2 + (stream / H) % 2) * H + stream % H) * words;
-        const bool stored = stream_start_s[st + 1] <= limit_s;
-        row[0] = stored ? static_cast<int32_t>(stream_start_s[st] / kStreamAlign) : kNoStream;
-        for (int w = 1; w < words; ++w) {
-          uint32_t packed = 0;
-          for (int j = 0; j < 4; ++j) {
-            const int b = 4 * (w - 1) + j;
-            if (b < nb) packed |= static_cast<uint32_t>(desc_s[st * nb + b]) << (8 * j);
-          }
-          row[w] = static_cast<int32_t>(packed);
-        }
+  }
+  // Meta rows: one thread per stream.
+  if (threadIdx.x < cta_streams) {
+    const int s = threadIdx.x;
+    const int64_t stream = first_stream + s;
+    const int64_t page = page_ids[stream / (2 * H)];
+    if (page < 0 || page >= num_pages) return;  // the CPU kernel raises; here the row cannot be written at all
+    int32_t* row = meta + ((page * 2 + (stream / H) % 2) * H + stream % H) * words;
+    const bool stored = stream_start_s[s + 1] <= limit_s;
+    row[0] = stored ? static_cast<int32_t>(stream_start_s[s] / kStreamAlign) : kNoStream;
+    for (int w = 1; w < words; ++w) {
+      uint32_t packed = 0;
+      for (int j = 0; j < 4; ++j) {
+        const int b = 4 * (w - 1) + j;
+        if (b < nb) packed |= static_cast<uint32_t>(desc_s[s * nb + b]) << (8 * j);
       }
+      row[w] = static_cast<int32_t>(packed);
     }
-    if (next_ticket >= num_ctas) break;
-    ticket = next_ticket;
-    u = next;
   }
 }
 
@@ -231,13 +195,8 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor scratch = at::zeros({1 + num_ctas}, data.options().dtype(at::kLong));
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, data.device().index()));
   auto launch = [&](auto kernel) {
-    int per_sm = 0;  // persistent grid: as many CTAs as fit, each loops over tickets
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-    const int64_t grid = std::min<int64_t>(num_ctas, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
-    kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(
+    kernel<<<static_cast<unsigned int>(num_ctas), kThreads, 0, stream>>>(
         reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), page_ids.data_ptr<int32_t>(), allow_compress,
         data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0), cursor.data_ptr<int64_t>(),
         reinterpret_cast<Scratch*>(scratch.data_ptr<int64_t>()), num_streams, P, H, D, meta.size(3), streams_per_cta,
