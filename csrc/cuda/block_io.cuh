@@ -15,11 +15,6 @@ constexpr int kWarp = 32;
 constexpr int kRowWords = 20;
 constexpr int kStageWords = kTileTokens * kRowWords;
 
-struct BlockRef {
-  int64_t stream;  // stream index (page_in_call * 2 + is_v) * num_kv_heads + head
-  int b;           // block inside the stream
-};
-
 // Address (in bf16 elements) of (token 0, dim 0) of block b of stream (page i, is_v, head) in a [n, 2, P, H, D] tensor.
 __device__ __forceinline__ int64_t natural_block_base(int64_t stream, int b, int P, int H, int D) {
   const int64_t i = stream / (2 * H);
