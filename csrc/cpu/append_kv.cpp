@@ -24,8 +24,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
       for (int h = 0; h < H; ++h) {
         int64_t off;
         int nbytes;
-        read_stream_or_throw("append_kv", data, meta, ids[i], is_v, h, nb, &off, &nbytes);
-        const auto* desc = reinterpret_cast<const uint8_t*>(meta_row(meta, ids[i], is_v, h) + 1);
+        const uint8_t* desc = read_stream_or_throw("append_kv", data, meta, ids[i], is_v, h, nb, &off, &nbytes);
         for (int b = (slot[i] / kTileTokens) * spans; b < (slot[i] / kTileTokens + 1) * spans; ++b)
           TORCH_CHECK(desc[b] == kDescRaw, "zipkv.append_kv: page ", ids[i], " (page_ids[", i,
                       "]) is compressed; tokens can only be appended to open (raw) pages");

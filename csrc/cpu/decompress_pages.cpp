@@ -25,8 +25,8 @@ void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const 
       const int is_v = (s / H) % 2, head = s % H;
       int64_t off;
       int nbytes;
-      read_stream_or_throw("decompress_pages", data, meta, ids[i], is_v, head, nb, &off, &nbytes);
-      const auto* desc = reinterpret_cast<const uint8_t*>(meta_row(meta, ids[i], is_v, head) + 1);
+      const uint8_t* desc =
+          read_stream_or_throw("decompress_pages", data, meta, ids[i], is_v, head, nb, &off, &nbytes);
       for (int b = 0; b < nb; ++b) {
         decode_block(src + off, desc[b], v);
         scatter_block(v, P, H, D, is_v, head, b, dst + i * page_values);

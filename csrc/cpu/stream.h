@@ -35,11 +35,13 @@ inline const int32_t* meta_row(const at::Tensor& meta, int64_t page, int is_v, i
   return meta.data_ptr<int32_t>() + ((page * 2 + is_v) * meta.size(2) + head) * meta.size(3);
 }
 
-// Validates meta[page][is_v][head] against data (read_stream) and raises a clear error when it is not usable.
-inline void read_stream_or_throw(const char* op, const at::Tensor& data, const at::Tensor& meta, int64_t page,
+// Validates meta[page][is_v][head] against data (read_stream) and raises a clear error when it is not usable;
+// returns the stream's block descriptors.
+inline const uint8_t* read_stream_or_throw(const char* op, const at::Tensor& data, const at::Tensor& meta, int64_t page,
                                  int is_v, int head, int nblocks, int64_t* start, int* nbytes) {
-  const int status = read_stream(meta_row(meta, page, is_v, head), nblocks, data.numel(), start, nbytes);
-  if (status == kStreamOk) return;
+  const int32_t* row = meta_row(meta, page, is_v, head);
+  const int status = read_stream(row, nblocks, data.numel(), start, nbytes);
+  if (status == kStreamOk) return reinterpret_cast<const uint8_t*>(row + 1);
   const char* what = status == kStreamMissing        ? "holds no stream (page never stored)"
                      : status == kStreamBadDescriptor ? "has an invalid block descriptor (corrupted)"
                                                       : "points past the end of data (corrupted, or the wrong data)";
