@@ -32,7 +32,7 @@ def test_cuda_kernels_registered():
     """CI builds with ZIPKV_WITH_CUDA=1 and sets ZIPKV_REQUIRE_CUDA_BUILD=1: the .cu files compiled and registered."""
     if os.environ.get("ZIPKV_REQUIRE_CUDA_BUILD") != "1":
         pytest.skip("CPU-only build allowed (set ZIPKV_REQUIRE_CUDA_BUILD=1 to require CUDA kernels)")
-    for op in STORAGE_OPS:
+    for op in (*STORAGE_OPS, "paged_decode"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"zipkv::{op}", "CUDA"), op
 
 

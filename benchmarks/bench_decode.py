@@ -1,0 +1,234 @@
+"""Decode-attention benchmark (GPU): torch_zipkv's fused kernel on compressed / real-KV-like / raw pages against
+FlashInfer 0.6.12 (CUDA-core and tensor-core decode) and torch SDPA on contiguous KV, all in the same run.
+
+    python benchmarks/bench_decode.py --out DIR [--iters 100] [--quick]
+
+Method (DESIGN.md §5): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
+KV per request, pages in random order, L2 flushed before every timed call, median of --iters CUDA-event timings;
+context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64). Data:
+- random:    Gaussian BF16 pages; (nearly) every block compresses.
+- real-like: every 16 x 64 K or V stream drawn from SmolLM2-135M's real cache (model package or $ZIPKV_REAL_KV),
+             so blocks keep their real compressibility (K blocks with exact zeros stay raw).
+- raw:       the random pages stored with every block raw (the worst case for torch_zipkv).
+Bytes read: torch_zipkv reads its arena (stored streams) + metadata; the others read raw BF16 KV. "TB/s" is the
+bytes actually read per second; "raw TB/s" is BF16 KV delivered per second (raw bytes / time) for every variant.
+Writes bench_decode.json into --out. FlashInfer is a baseline only: it is imported here, never by torch_zipkv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import torch_zipkv
+from torch_zipkv import format as fmt
+from torch_zipkv import ops
+
+LLAMA = dict(name="llama3-8b", Hq=32, Hkv=8, D=128)
+SMOLLM2 = dict(name="smollm2", Hq=9, Hkv=3, D=64)
+PAGE = 16
+
+
+def time_cuda(fn, iters: int, flush: torch.Tensor) -> float:
+    """Median µs of fn() over iters calls, L2 flushed (untimed) before each."""
+    times = []
+    for i in range(iters + 3):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def real_streams(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """SmolLM2's K and V streams, bf16 [N, 16, 64] each (every page, layer and head of the saved cache)."""
+    path = os.environ.get("ZIPKV_REAL_KV")
+    if path:
+        kv = torch.load(path, weights_only=True)["kv"]
+    else:
+        from torch_zipkv import realkv
+
+        kv = realkv.real_kv(2048, page_size=16)
+    assert kv.shape[3] == PAGE and kv.shape[5] == 64, kv.shape
+    kv = kv.to(device)  # [layers, pages, 2, 16, H, 64]
+    k = kv[:, :, 0].permute(0, 1, 3, 2, 4).reshape(-1, PAGE, 64)
+    v = kv[:, :, 1].permute(0, 1, 3, 2, 4).reshape(-1, PAGE, 64)
+    return k, v
+
+
+def real_like_pages(num_pages: int, Hkv: int, D: int, streams, gen) -> torch.Tensor:
+    """bf16 [num_pages, 2, 16, Hkv, D] whose every 16 x 64 piece of a stream is a real SmolLM2 stream."""
+    parts = []
+    for src in streams:
+        idx = torch.randint(0, src.shape[0], (num_pages, Hkv, D // 64), generator=gen).to(src.device)
+        x = src[idx]  # [pages, Hkv, D/64, 16, 64]
+        parts.append(x.permute(0, 3, 1, 2, 4).reshape(num_pages, PAGE, Hkv, D))
+    return torch.stack(parts, dim=1)
+
+
+def store(kv: torch.Tensor, allow_compress: bool) -> torch_zipkv.CompressedKV:
+    n, _, P, H, D = kv.shape
+    cap = n * 2 * H * fmt.blocks_per_stream(P, D) * fmt.RAW_BLOCK_BYTES
+    data = torch.empty(cap, dtype=torch.uint8, device=kv.device)
+    meta = torch.full((n, 2, H, fmt.meta_words(P, D)), -1, dtype=torch.int32, device=kv.device)
+    cursor = torch.tensor([0, cap], dtype=torch.int64, device=kv.device)
+    ids = torch.arange(n, dtype=torch.int32, device=kv.device)
+    chunk = 8192  # bounded staging per call
+    for s in range(0, n, chunk):
+        ops.compress_pages(kv[s : s + chunk], ids[s : s + chunk], data, meta, cursor, allow_compress=allow_compress)
+    used = int(cursor[0])
+    assert used <= cap
+    return torch_zipkv.CompressedKV(data=data[:used], meta=meta, page_size=P, head_dim=D)
+
+
+def flashinfer_wrappers(indptr, indices, last, shape, device):
+    try:
+        import flashinfer
+    except ImportError as e:  # the baseline is optional on machines without it
+        print(f"FlashInfer not available ({e}); its columns are skipped", file=sys.stderr)
+        return {}, None
+    out = {}
+    for tc in (False, True):
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+        w.plan(indptr, indices, last, shape["Hq"], shape["Hkv"], shape["D"], PAGE, pos_encoding_mode="NONE",
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        out["flashinfer_tc" if tc else "flashinfer_cc"] = w
+    return out, flashinfer.__version__
+
+
+def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen, flashinfer: bool) -> dict:
+    device = "cuda"
+    Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
+    pages_per_req = ctx // PAGE
+    num_pages = batch * pages_per_req
+    indptr = torch.arange(0, num_pages + 1, pages_per_req, dtype=torch.int32, device=device)
+    indices = torch.randperm(num_pages, generator=gen).to(torch.int32).to(device)  # random page order
+    last = torch.full((batch,), PAGE, dtype=torch.int32, device=device)
+    q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).to(device)
+    scale = 1 / math.sqrt(D)
+    raw_bytes = num_pages * 2 * PAGE * Hkv * D * 2
+
+    kv = torch.randn(num_pages, 2, PAGE, Hkv, D, generator=gen).to(torch.bfloat16).to(device)
+    row = {"shape": shape["name"], "ctx": ctx, "batch": batch, "raw_kv_bytes": raw_bytes}
+    results = {}
+
+    def record(name, fn, nbytes, extra=None):
+        us = time_cuda(fn, iters, flush)
+        results[name] = {"us": us, "bytes_read": nbytes, "TBps": nbytes / us / 1e6, "raw_TBps": raw_bytes / us / 1e6,
+                         **(extra or {})}
+
+    outs = {}
+    for name, ckv in (("zipkv_random", store(kv, True)), ("zipkv_raw", store(kv, False))):
+        out = torch.empty_like(q)
+        fn = lambda ckv=ckv, out=out: torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, out=out)  # noqa: E731
+        fn()
+        outs[name] = out
+        record(name, fn, ckv.nbytes, {"stored_ratio": ckv.ratio, "compressed_blocks": ckv.compressed_block_fraction})
+        del ckv
+    wrappers, fi_version = flashinfer_wrappers(indptr, indices, last, shape, device) if flashinfer else ({}, None)
+    for name, w in wrappers.items():
+        outs[name] = w.run(q, kv)
+        record(name, lambda w=w: w.run(q, kv), raw_bytes)
+    # torch SDPA on contiguous KV [batch, Hkv, ctx, D], request b's tokens in order.
+    tokens = kv[indices.long()].view(batch, pages_per_req, 2, PAGE, Hkv, D)
+    k = tokens[:, :, 0].permute(0, 3, 1, 2, 4).reshape(batch, Hkv, ctx, D).contiguous()
+    v = tokens[:, :, 1].permute(0, 3, 1, 2, 4).reshape(batch, Hkv, ctx, D).contiguous()
+    del tokens
+    sdpa = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)  # noqa: E731
+    outs["sdpa"] = sdpa().squeeze(2)
+    record("sdpa_contiguous", sdpa, raw_bytes)
+    del k, v
+
+    # Real-KV-like pages: same page table, other data.
+    kv_real = real_like_pages(num_pages, Hkv, D, streams, gen)
+    ckv = store(kv_real, True)
+    out = torch.empty_like(q)
+    fn = lambda: torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, out=out)  # noqa: E731
+    record("zipkv_real_like", fn, ckv.nbytes, {"stored_ratio": ckv.ratio,
+                                               "compressed_blocks": ckv.compressed_block_fraction})
+    if "flashinfer_tc" in wrappers:
+        record("flashinfer_tc_real_like", lambda: wrappers["flashinfer_tc"].run(q, kv_real), raw_bytes)
+    del ckv, kv_real
+
+    # Sanity: raw and compressed storage of the same values give the same bits; FlashInfer agrees to bf16 rounding.
+    row["raw_equals_compressed_bits"] = torch.equal(outs["zipkv_random"], outs["zipkv_raw"])
+    row["max_abs_diff_vs_sdpa"] = (outs["zipkv_random"].float() - outs["sdpa"].float()).abs().max().item()
+    if "flashinfer_tc" in outs:
+        row["max_abs_diff_vs_flashinfer"] = (outs["zipkv_random"].float() - outs["flashinfer_tc"].float()).abs().max().item()
+    fi = [results[n]["us"] for n in ("flashinfer_cc", "flashinfer_tc") if n in results]
+    if fi:
+        best = min(fi)
+        for name in ("zipkv_random", "zipkv_raw", "zipkv_real_like"):
+            results[name]["speedup_vs_best_flashinfer"] = best / results[name]["us"]
+        if "flashinfer_tc_real_like" in results:
+            results["zipkv_real_like"]["speedup_vs_flashinfer_same_data"] = (
+                results["flashinfer_tc_real_like"]["us"] / results["zipkv_real_like"]["us"])
+        real = results["zipkv_real_like"]
+        # Bar: speedup >= 0.95 x (raw bytes / compressed bytes).
+        real["ideal_speedup"] = raw_bytes / real["bytes_read"]
+    row["results"] = results
+    row["flashinfer_version"] = fi_version
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="two cases only")
+    parser.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer baseline (JIT-compiles)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode: no GPU, nothing to measure")
+        return
+    gen = torch.Generator().manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > 60 MB L2
+    streams = real_streams("cuda")
+    cases = [(LLAMA, c, b) for c in (2048, 8192) for b in (32, 64, 96)] + [(SMOLLM2, 8192, 64)]
+    if args.quick:
+        cases = [(LLAMA, 8192, 64), (SMOLLM2, 8192, 64)]
+    rows = []
+    hdr = f"{'shape':10} {'ctx':>5} {'bs':>3} | " + " ".join(
+        f"{n:>14}" for n in ("zipkv_random", "zipkv_real", "zipkv_raw", "fi_cuda_core", "fi_tensor", "sdpa")) + \
+        " | speedup rnd/real/raw"
+    print(hdr)
+    for shape, ctx, batch in cases:
+        row = run_case(shape, ctx, batch, args.iters, streams, flush, gen, not args.no_flashinfer)
+        rows.append(row)
+        r = row["results"]
+        cell = lambda n: f"{r[n]['us']:8.1f} µs" if n in r else f"{'-':>11}"  # noqa: E731
+        sp = lambda n: f"{r[n].get('speedup_vs_best_flashinfer', float('nan')):.3f}"  # noqa: E731
+        print(f"{shape['name']:10} {ctx:5} {batch:3} | " + " ".join(f"{cell(n):>14}" for n in (
+            "zipkv_random", "zipkv_real_like", "zipkv_raw", "flashinfer_cc", "flashinfer_tc", "sdpa_contiguous")) +
+            f" | {sp('zipkv_random')}/{sp('zipkv_real_like')}/{sp('zipkv_raw')}", flush=True)
+        torch.cuda.empty_cache()
+    result = {
+        "benchmark": "bench_decode",
+        "command": "python benchmarks/bench_decode.py --out DIR" + (" --quick" if args.quick else ""),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "iters": args.iters,
+        "method": "median of CUDA-event timings, L2 flushed before each call, separate KV per request, random page "
+                  "order, page 16",
+        "cases": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_decode.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out / 'bench_decode.json'}")
+
+
+if __name__ == "__main__":
+    main()

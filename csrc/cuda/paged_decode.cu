@@ -1,0 +1,97 @@
+// CUDA op zipkv::paged_decode: argument checks, the split-KV plan, the workspace, and the dispatch on head_dim.
+// The kernels are in paged_decode.cuh.
+//
+// The plan is made on the host from shapes alone (batch, kv heads, nnz pages), never from tensor contents, so the op
+// never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle, each
+// request's tiles are cut into `splits` chunks whose partial results a second kernel merges. The workspace (partial
+// outputs and lse) is sized by the same shapes.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "paged_decode.cuh"
+
+namespace zipkv::cuda {
+namespace {
+
+constexpr int kMinTilesPerSplit = 2 * decode::kWarps;  // below this a split's pipeline is mostly prologue
+constexpr int kMaxSplits = 64;
+
+int num_sms(int device) {
+  static int cached[64] = {0};
+  int& n = cached[device % 64];
+  if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+int occupancy(int head_dim, int group) {
+  switch (head_dim) {
+    case 64: return decode::ctas_per_sm<64>(group);
+    case 128: return decode::ctas_per_sm<128>(group);
+    default: return decode::ctas_per_sm<256>(group);
+  }
+}
+
+int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
+                int device) {
+  const int64_t slots = int64_t{num_sms(device)} * std::max(1, occupancy(head_dim, group));
+  const int64_t ctas = batch * kv_heads;
+  if (ctas >= slots) return 1;
+  const int64_t avg_tiles = (nnz_pages * (page_size / kTileTokens) + batch - 1) / batch;
+  const int64_t by_work = std::max<int64_t>(1, avg_tiles / kMinTilesPerSplit);
+  return static_cast<int>(std::min<int64_t>({(slots + ctas - 1) / ctas, by_work, kMaxSplits}));
+}
+
+void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
+                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                       int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse) {
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse);
+  const int64_t batch = q.size(0);
+  if (batch == 0 || q.size(1) == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int D = q.size(2), H = meta.size(2), Hq = q.size(1);
+  TORCH_CHECK(batch * H * kMaxSplits < (int64_t{1} << 31), "zipkv.paged_decode: batch x num_kv_heads too large");
+
+  decode::Params p{};
+  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  p.data = data.data_ptr<uint8_t>();
+  p.meta = meta.data_ptr<int32_t>();
+  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  p.kv_indices = kv_indices.data_ptr<int32_t>();
+  p.kv_last = kv_last_page_len.data_ptr<int32_t>();
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.data_bytes = data.numel();
+  p.num_pages = meta.size(0);
+  p.nnz = kv_indices.size(0);
+  p.batch = static_cast<int>(batch);
+  p.Hq = Hq;
+  p.H = H;
+  p.group = Hq / H;
+  p.page_size = static_cast<int>(page_size);
+  p.words = meta.size(3);
+  p.scale_log2 = static_cast<float>(sm_scale) * decode::kLog2e;
+  p.num_splits = plan_splits(batch, H, p.nnz, p.page_size, D, p.group, q.get_device());
+
+  at::Tensor workspace;
+  if (p.num_splits > 1) {
+    const int64_t rows = batch * Hq;
+    workspace = at::empty({p.num_splits * rows * (D + 1)}, q.options().dtype(at::kFloat));
+    p.part_o = workspace.data_ptr<float>();
+    p.part_lse = p.part_o + p.num_splits * rows * D;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  switch (D) {
+    case 64: decode::launch<64>(p, stream); break;
+    case 128: decode::launch<128>(p, stream); break;
+    default: decode::launch<256>(p, stream); break;  // check_geometry allowed only 64/128/256
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zipkv, CUDA, m) { m.impl("paged_decode", &paged_decode_cuda); }
+
+}  // namespace zipkv::cuda

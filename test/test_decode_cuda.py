@@ -1,0 +1,208 @@
+"""GPU box: the fused CUDA paged_decode against the float64 reference and the CPU kernel, on random and real KV,
+mixed raw/compressed pages, every head_dim and group size, split and unsplit plans, CUDA Graph replay, and bad device
+contents (which poison only their own request, as NaN). Skipped without a GPU."""
+
+import math
+
+import pytest
+import torch
+
+import torch_zipkv
+from torch_zipkv import reference
+
+from conftest import compressible_kv, page_table, random_kv, requires_cuda, spread_layers, store
+
+pytestmark = requires_cuda
+
+
+def rel_err(out, ref):
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def with_zeros(kv, gen, rate=3e-3):
+    """Exact zeros, as BF16 RoPE makes them: the blocks holding one stay raw."""
+    kv = kv.clone()
+    kv[torch.rand(kv.shape, generator=gen) < rate] = 0.0
+    return kv
+
+
+def decode_both(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None):
+    """CUDA and CPU paged_decode of the same storage; returns (gpu out, gpu lse, cpu out, cpu lse, ref, ref lse)."""
+    n, _, P, H, D = kv.shape
+    scale = scale or 1 / math.sqrt(D)
+    ckv = store(kv, raw_pages)
+    gpu = torch_zipkv.CompressedKV(ckv.data.cuda(), ckv.meta.cuda(), P, D)
+    indptr, indices, last = page_table(seq_lens, P, n, gen)
+    q = torch.randn(len(seq_lens), num_qo_heads, D, generator=gen).to(torch.bfloat16)
+    lse_g = torch.empty(len(seq_lens), num_qo_heads, device="cuda")
+    out_g = torch_zipkv.paged_decode(q.cuda(), gpu, indptr.cuda(), indices.cuda(), last.cuda(), sm_scale=scale,
+                                     lse=lse_g)
+    lse_c = torch.empty(len(seq_lens), num_qo_heads)
+    out_c = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, lse=lse_c)
+    ref, ref_lse = reference.decode_attention(q, kv, indptr, indices, last, scale)
+    return out_g.cpu(), lse_g.cpu(), out_c, lse_c, ref, ref_lse
+
+
+def check(out_g, lse_g, out_c, ref, ref_lse, tol=1e-2):
+    assert not out_g.isnan().any()
+    assert rel_err(out_g, ref) < tol
+    assert rel_err(out_g, out_c.double()) < tol
+    torch.testing.assert_close(lse_g.double(), ref_lse, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 12, 16])
+def test_matches_reference_and_cpu_mixed_pages(gen, head_dim, group):
+    heads = 2
+    kv = with_zeros(random_kv(40, 16, heads, head_dim, gen), gen)
+    raw_pages = torch.rand(40, generator=gen) < 0.4
+    seq_lens = [1, 16, 17, 45, 0, 100, 250]  # 1-token, full page, partial last pages, an empty request
+    out_g, lse_g, out_c, lse_c, ref, ref_lse = decode_both(kv, raw_pages, seq_lens, heads * group, gen)
+    live = [0, 1, 2, 3, 5, 6]
+    check(out_g[live], lse_g[live], out_c[live], ref[live], ref_lse[live])
+    assert torch.equal(out_g[4], torch.zeros_like(out_g[4])) and (lse_g[4] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("page_size, head_dim", [(32, 64), (64, 128), (128, 256), (48, 64), (128, 64)])
+def test_larger_pages_count_raw_blocks_before_the_tile(gen, page_size, head_dim):
+    """Tiles past the first of a page find their blocks by counting the raw blocks before them in the meta row."""
+    kv = with_zeros(random_kv(12, page_size, 2, head_dim, gen), gen, rate=2e-3)
+    raw_pages = torch.rand(12, generator=gen) < 0.3
+    seq_lens = [1, page_size + 3, 3 * page_size, 2 * page_size - 5]
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, raw_pages, seq_lens, 6, gen)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+def test_all_raw_and_all_compressed_give_identical_bits(gen):
+    """The same values stored raw or compressed rebuild to the same registers: outputs agree bit for bit."""
+    kv = compressible_kv(30, 16, 4, 128, gen)
+    indptr, indices, last = page_table([300, 77, 33], 16, 30, gen, device="cuda")
+    q = torch.randn(3, 16, 128, generator=gen).to(torch.bfloat16).cuda()
+    comp = torch_zipkv.compress(kv.cuda())
+    raw = torch_zipkv.compress(kv.cuda(), compress=False)
+    assert comp.compressed_block_fraction == 1.0 and raw.compressed_block_fraction == 0.0
+    out_comp = torch_zipkv.paged_decode(q, comp, indptr, indices, last)
+    out_raw = torch_zipkv.paged_decode(q, raw, indptr, indices, last)
+    assert torch.equal(out_comp.view(torch.int16), out_raw.view(torch.int16))
+    ref, _ = reference.decode_attention(q.cpu(), kv, indptr.cpu(), indices.cpu(), last.cpu(), 1 / math.sqrt(128))
+    assert rel_err(out_comp, ref) < 1e-2
+
+
+@pytest.mark.parametrize("batch, heads, seq", [(1, 1, 9000), (2, 2, 5000), (3, 8, 2051), (400, 2, 40)])
+def test_split_and_unsplit_plans(gen, batch, heads, seq):
+    """Few long requests are split across CTAs and merged; many short ones run one CTA per (request, head)."""
+    P, D = 16, 128
+    lens = [seq - 7 * b for b in range(batch)]
+    n = sum((x + P - 1) // P for x in lens)
+    kv = with_zeros(random_kv(n, P, heads, D, gen), gen)
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3, lens, heads * 4, gen)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+def test_peaked_softmax_and_large_scale(gen):
+    kv = random_kv(20, 16, 1, 64, gen, scale=3.0)
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, None, [40, 77, 200], 2, gen, scale=2.0)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+def test_garbage_past_the_last_token_is_ignored(gen):
+    """Unfilled slots of an open page can hold anything, NaN and Inf included: they must not reach the output."""
+    kv = random_kv(6, 16, 2, 64, gen)
+    kv[5, :, 9:] = float("nan")
+    kv[4, :, 3:] = float("inf")
+    indptr = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    indices = torch.tensor([0, 1, 5, 4, 2, 3], dtype=torch.int32)
+    last = torch.tensor([9, 3, 16], dtype=torch.int32)
+    q = torch.randn(3, 4, 64, generator=gen).to(torch.bfloat16)
+    ckv = torch_zipkv.compress(kv.cuda())
+    out = torch_zipkv.paged_decode(q.cuda(), ckv, indptr.cuda(), indices.cuda(), last.cuda()).cpu()
+    ref, _ = reference.decode_attention(q, kv, indptr, indices, last, 1 / 8)
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+
+
+def test_real_kv_mixed_pages(real_kv, gen):
+    """SmolLM2's own shape (9 query heads, 3 kv heads, d 64) on its real KV, real-scale queries (its K vectors)."""
+    for layer in spread_layers(real_kv):
+        kv = real_kv[layer]
+        n = kv.shape[0]
+        ckv = store(kv, torch.rand(n, generator=gen) < 0.3)
+        gpu = torch_zipkv.CompressedKV(ckv.data.cuda(), ckv.meta.cuda(), 16, 64)
+        indptr, indices, last = page_table([1, 333, 1000, 600], 16, n, gen)
+        q = kv[torch.randint(0, n, (4,), generator=gen), 0, 3].repeat_interleave(3, dim=1)
+        out = torch_zipkv.paged_decode(q.cuda(), gpu, indptr.cuda(), indices.cuda(), last.cuda()).cpu()
+        ref, _ = reference.decode_attention(q, kv, indptr, indices, last, 1 / 8)
+        cpu = torch_zipkv.paged_decode(q, ckv, indptr, indices, last)
+        assert rel_err(out, ref) < 1e-2 and rel_err(out, cpu.double()) < 1e-2, layer
+
+
+@pytest.mark.parametrize("seq", [70, 6000])  # one CTA per request; split with a merge kernel
+def test_cuda_graph_replay_matches_eager(gen, seq):
+    P, H, D = 16, 2, 128
+    n = 2 * ((seq + P - 1) // P)
+    ckv = torch_zipkv.compress(with_zeros(random_kv(n, P, H, D, gen), gen).cuda())
+    indptr, indices, last = page_table([seq, seq - 20], P, n, gen, device="cuda")
+    q = torch.empty(2, 8, D, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(2, 8, device="cuda")
+
+    def step():
+        torch_zipkv.paged_decode(q, ckv, indptr, indices, last, out=out, lse=lse)
+
+    q.copy_(torch.randn(2, 8, D, generator=gen))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        q.copy_(torch.randn(2, 8, D, generator=gen))
+        graph.replay()
+        got, got_lse = out.clone(), lse.clone()
+        step()
+        assert torch.equal(got.view(torch.int16), out.view(torch.int16)) and torch.equal(got_lse, lse)
+        last_len = int(last[0])
+        assert 1 <= last_len <= P and not got.isnan().any()
+
+
+def test_bad_device_contents_poison_only_their_request(gen):
+    """CUDA cannot raise on device contents without a sync: bad page ids, corrupt meta rows and inconsistent page
+    tables give NaN for the requests that use them, and never an out-of-bounds read; the others are untouched."""
+    P, H, D = 16, 1, 64
+    kv = random_kv(12, P, H, D, gen).cuda()
+    ckv = torch_zipkv.compress(kv)
+    q = torch.randn(6, 2, D, generator=gen).to(torch.bfloat16).cuda()
+    indptr = torch.tensor([0, 2, 4, 6, 8, 10, 12], dtype=torch.int32, device="cuda")
+    indices = torch.arange(12, dtype=torch.int32, device="cuda")
+    last = torch.full((6,), 16, dtype=torch.int32, device="cuda")
+    good = torch_zipkv.paged_decode(q, ckv, indptr, indices, last)
+    meta = ckv.meta.clone()
+    meta[2, 0, 0, 1] = 0x000000FF  # request 1: descriptor 0xFF (invalid) in its first page's K row
+    meta[5, 1, 0, 0] = 10**8       # request 2: V stream far past the end of data
+    meta[6, 0, 0, 0] = -1          # request 3: no stream
+    bad_indices = indices.clone()
+    bad_indices[9] = 12            # request 4: page id out of range
+    bad_last = last.clone()
+    bad_last[5] = 0                # request 5: last page length outside [1, page_size]
+    bad = torch_zipkv.CompressedKV(ckv.data, meta, P, D)
+    lse = torch.empty(6, 2, device="cuda")
+    out = torch_zipkv.paged_decode(q, bad, indptr, bad_indices, bad_last, lse=lse)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0].view(torch.int16), good[0].view(torch.int16))
+    assert out[1:].isnan().all() and lse[1:].isnan().all()
+    # An indptr that runs past kv_indices poisons that request too.
+    bad_indptr = indptr.clone()
+    bad_indptr[6] = 13
+    out = torch_zipkv.paged_decode(q, ckv, bad_indptr, indices, last)
+    assert out[5].isnan().all() and torch.equal(out[:5].view(torch.int16), good[:5].view(torch.int16))
+
+
+def test_opcheck_paged_decode_cuda(gen):
+    kv = random_kv(6, 16, 2, 64, gen).cuda()
+    ckv = torch_zipkv.compress(kv)
+    indptr, indices, last = page_table([30, 50], 16, 6, gen, device="cuda")
+    q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16).cuda()
+    args = (q, ckv.data, ckv.meta, indptr, indices, last, 16, 0.125, torch.empty_like(q), torch.empty(2, 4, device="cuda"))
+    torch.library.opcheck(torch.ops.zipkv.paged_decode.default, args)
