@@ -92,7 +92,7 @@ def test_all_raw_and_all_compressed_give_identical_bits(gen):
 def test_split_and_unsplit_plans(gen, batch, heads, seq):
     """Few long requests are split across CTAs and merged; many short ones run one CTA per (request, head)."""
     P, D = 16, 128
-    lens = [seq - 7 * b for b in range(batch)]
+    lens = [seq - 7 * (b % 5) for b in range(batch)]
     n = sum((x + P - 1) // P for x in lens)
     kv = with_zeros(random_kv(n, P, heads, D, gen), gen)
     out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3, lens, heads * 4, gen)
@@ -100,7 +100,7 @@ def test_split_and_unsplit_plans(gen, batch, heads, seq):
 
 
 def test_peaked_softmax_and_large_scale(gen):
-    kv = random_kv(20, 16, 1, 64, gen, scale=3.0)
+    kv = random_kv(24, 16, 1, 64, gen, scale=3.0)
     out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, None, [40, 77, 200], 2, gen, scale=2.0)
     check(out_g, lse_g, out_c, ref, ref_lse)
 

@@ -1,10 +1,15 @@
 // The fused decode-attention kernel of zipkv::paged_decode: reads compressed and raw blocks of one paged cache in a
-// single pass, copies them to shared memory still compressed (cp.async), rebuilds BF16 in registers right before
+// single pass, copies them to shared memory still compressed (TMA bulk copies), rebuilds BF16 in registers right before
 // the tensor-core instruction, and keeps an online softmax in float32. Split-KV (flash-decoding) with a merge kernel.
 //
 // Work split: one CTA per (request, kv head, split). Its 4 warps take the split's 16-token tiles round-robin; each
-// warp runs its own cp.async pipeline of kStages tiles (K and V blocks of a tile land in one stage) and its own
-// online softmax; the warps' states merge in shared memory at the end.
+// warp runs its own pipeline of kStages tiles and its own online softmax; the warps' states merge in shared memory
+// at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so one lane moves a whole
+// tile with two bulk copies (TMA, cp.async.bulk) that complete on the stage's mbarrier: 2 instructions per tile
+// instead of 16 per lane, and the copy engine keeps the bytes in flight.
+//
+// Page ids and meta rows are fetched long before use: lane k of a warp holds what tile 32 b + k needs (its page id
+// two blocks of 32 tiles ahead, its meta words one block ahead), and the issuing step reads them with shuffles.
 //
 // Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t):
 //   S = Q K^T: M = the GQA group's query rows (row g, and g + 8 when the group exceeds 8), N = 8 tokens, K = 16 dims.
@@ -29,7 +34,6 @@ namespace zipkv::cuda::decode {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kSlotBytes = kRawBlockBytes;  // every block gets a raw-sized slot in its stage
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block must not be read; it decodes to NaN
 
@@ -49,16 +53,18 @@ struct Params {
   float scale_log2;  // sm_scale * log2(e): the softmax runs in base 2
 };
 
-// Geometry and pipeline depth per head_dim. A stage holds one tile's K and V blocks (raw-sized slots); the depth
-// keeps >= 2 tiles in flight per warp while leaving room for 1-3 CTAs per SM.
+// Geometry and pipeline depth per head_dim. A stage holds one tile's K bytes then its V bytes, each in room for all
+// blocks raw; the depth keeps >= 2 tiles in flight per warp while leaving room for 1-3 CTAs per SM.
 template <int D>
 struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kStages = D == 64 ? 4 : 3;
-  static constexpr int kStageBytes = 2 * kBlocks * kSlotBytes;
+  static constexpr int kHalfBytes = kBlocks * kRawBlockBytes;  // K (or V) part of a stage
+  static constexpr int kStageBytes = 2 * kHalfBytes;
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   static constexpr int kDescBytes = kWarps * kStages * 32 * 16;  // one uint4 of descriptors per lane and stage
-  static constexpr int kSmemBytes = kPipeBytes + kDescBytes;
+  static constexpr int kBarBytes = kWarps * kStages * 8;         // one mbarrier per warp and stage
+  static constexpr int kSmemBytes = kPipeBytes + kDescBytes + kBarBytes;
   static constexpr int kMinCtas = D == 64 ? 3 : D == 128 ? 2 : 1;
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
 };
@@ -67,17 +73,34 @@ struct Cfg {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+// Arrives on bar (its only arrival per phase) announcing `bytes` of bulk copies that will complete on it.
+__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+// global -> shared bulk copy (16-byte aligned, size a multiple of 16) completing on bar.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory accesses before later bulk copies into the same bytes.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // d[0..1] (row g) and, when kHalves == 2, d[2..3] (row g + 8) += A * B for one m16n8k16 step.
 // With one half the upper rows are zero and their results are discarded, so only 2 accumulators stay live.
@@ -106,24 +129,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
   return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu);
 }
-// Bit j set when byte j of x is 0x80 or above (raw, or invalid and caught separately).
-__device__ __forceinline__ uint32_t raw_bits(uint32_t x) {
-  x &= 0x80808080u;
-  return ((x >> 7) | (x >> 14) | (x >> 21) | (x >> 28)) & 0xF;
-}
 
 // ---------------------------------------------------------------------------------------------- block rebuild
-// The lane's 16 values of a block (in its stage slot) as 8 bf16x2 registers in position order. Raw slots hold the
-// lane's first 16 bytes at 16 lane and its last 16 at 512 + 16 lane (bank-conflict free); compressed slots hold the
-// low bytes at 16 lane and the code bytes at 512 + 8 lane.
-__device__ __forceinline__ void rebuild(const uint8_t* slot, uint8_t desc, int lane, uint32_t r[8]) {
+// The lane's 16 values of a block (at `block` in shared memory, stored as in global memory) as 8 bf16x2 registers
+// in position order: raw, its 32 bytes at 32 lane; compressed, 16 low bytes at 16 lane and 8 code bytes at
+// 512 + 8 lane (both conflict-free).
+__device__ __forceinline__ void rebuild(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
   if (desc == kDescRaw) {
-    const uint4 a = *reinterpret_cast<const uint4*>(slot + 16 * lane);
-    const uint4 b = *reinterpret_cast<const uint4*>(slot + kLowBytes + 16 * lane);
+    const uint4 a = *reinterpret_cast<const uint4*>(block + 32 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(block + 32 * lane + 16);
     r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w, r[4] = b.x, r[5] = b.y, r[6] = b.z, r[7] = b.w;
   } else if (desc < kDescRaw) {
-    const uint4 lo = *reinterpret_cast<const uint4*>(slot + 16 * lane);
-    const uint2 cw = *reinterpret_cast<const uint2*>(slot + kLowBytes + 8 * lane);
+    const uint4 lo = *reinterpret_cast<const uint4*>(block + 16 * lane);
+    const uint2 cw = *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane);
     uint32_t h[4];
     decode_high_bytes(cw.x, desc, &h[0], &h[1]);
     decode_high_bytes(cw.y, desc, &h[2], &h[3]);
@@ -139,58 +157,75 @@ __device__ __forceinline__ void rebuild(const uint8_t* slot, uint8_t desc, int l
   }
 }
 
-// ---------------------------------------------------------------------------------------------- tile addressing
-// What the issue step needs about one tile's two streams (K, V) of this kv head. It is loaded one iteration early
-// and only stored here, not used, so the loads' latency hides under the current tile's math.
+// ---------------------------------------------------------------------------------------------- tile table
+// What issuing one tile needs about its two streams (K, V) of this kv head. Lane k of a warp holds the entry of the
+// warp's tile 32 b + k; the loads behind an entry are made a whole block of 32 tiles before it is used.
 template <int D>
-struct TileMeta {
+struct Entry {
   static constexpr int kDescWords = Cfg<D>::kBlocks >= 4 ? Cfg<D>::kBlocks / 4 : 1;
+  int32_t page;                  // < 0 or >= num_pages: refused
   int32_t start[2];              // meta word 0 of the K and V rows (256-byte units; < 0: no stream)
   uint32_t desc[2][kDescWords];  // the descriptor words holding the tile's blocks
-  uint32_t raw_before[2];        // raw (or invalid) blocks of the stream in the words before those
-  bool bad;                      // page id out of range, or an invalid descriptor in the words before
+  uint32_t before[2];            // raw (or invalid) blocks of the stream in the descriptor words before those
+  uint32_t bad_before;           // invalid descriptors in those words
 };
 
-// Loads a tile's meta. For page_size > 16 the earlier descriptor words of the stream are counted here (L1/L2 hits:
-// the page's other tiles read the same row).
+// Starts the loads of an entry (page ids come from a block earlier). For page_size > 16 the earlier descriptor words
+// of the stream are counted here, which waits for them (L1/L2 hits mostly: the page's other tiles read the row).
 template <int D>
-__device__ __forceinline__ void load_tile_meta(const Params& p, int head, int32_t page, int tile_in_page,
-                                               TileMeta<D>& m) {
+__device__ __forceinline__ void load_entry(const Params& p, int head, int32_t page, int tile_in_page, Entry<D>& e) {
   constexpr int kB = Cfg<D>::kBlocks;
-  m.bad = page < 0 || page >= p.num_pages;
+  const bool ok = page >= 0 && page < p.num_pages;
+  e.page = ok ? page : -1;
+  e.bad_before = 0;
   const int first_word = tile_in_page * kB / 4;  // the descriptor word holding the tile's first block
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
-    m.start[kv] = -1, m.raw_before[kv] = 0;
+    e.start[kv] = -1, e.before[kv] = 0;
 #pragma unroll
-    for (int w = 0; w < TileMeta<D>::kDescWords; ++w) m.desc[kv][w] = 0;
-    if (m.bad) continue;  // warp-uniform; never read meta rows that do not exist
+    for (int w = 0; w < Entry<D>::kDescWords; ++w) e.desc[kv][w] = 0;
+    if (!ok) continue;  // never read meta rows that do not exist
     const uint32_t* row = reinterpret_cast<const uint32_t*>(p.meta + ((int64_t{page} * 2 + kv) * p.H + head) * p.words);
-    m.start[kv] = static_cast<int32_t>(__ldg(row));
+    e.start[kv] = static_cast<int32_t>(__ldg(row));
 #pragma unroll
-    for (int w = 0; w < TileMeta<D>::kDescWords; ++w) m.desc[kv][w] = __ldg(row + 1 + first_word + w);
-    uint32_t inval = 0;
+    for (int w = 0; w < Entry<D>::kDescWords; ++w) e.desc[kv][w] = __ldg(row + 1 + first_word + w);
     for (int w = 0; w < first_word; ++w) {
       const uint32_t x = __ldg(row + 1 + w);
-      m.raw_before[kv] += __popc(x & 0x80808080u);
-      inval |= invalid_desc_bytes(x);
+      e.before[kv] += __popc(x & 0x80808080u);
+      e.bad_before |= invalid_desc_bytes(x);
     }
-    m.bad |= inval != 0;
   }
 }
 
-// Issues the cp.async copies of one tile into a stage and records its descriptors (kDescBad for refused blocks) in
-// the lane's descriptor slot. Every lane copies exactly the bytes it will read back, so no barrier is needed.
 template <int D>
-__device__ __forceinline__ void issue_tile(const Params& p, int tile_in_page, const TileMeta<D>& m, uint8_t* stage,
-                                           uint4* desc_slot, int lane) {
-  constexpr int kB = Cfg<D>::kBlocks, kW = TileMeta<D>::kDescWords;
-  uint8_t descs[2 * kB];
+__device__ __forceinline__ Entry<D> shfl_entry(const Entry<D>& e, int src) {
+  Entry<D> r;
+  r.page = __shfl_sync(0xFFFFFFFFu, e.page, src);
+  r.bad_before = __shfl_sync(0xFFFFFFFFu, e.bad_before, src);
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
-    uint32_t dw[kW], inval = 0, raw = 0, before = m.raw_before[kv];
+    r.start[kv] = __shfl_sync(0xFFFFFFFFu, e.start[kv], src);
+    r.before[kv] = __shfl_sync(0xFFFFFFFFu, e.before[kv], src);
 #pragma unroll
-    for (int w = 0; w < kW; ++w) dw[w] = m.desc[kv][w];
+    for (int w = 0; w < Entry<D>::kDescWords; ++w) r.desc[kv][w] = __shfl_sync(0xFFFFFFFFu, e.desc[kv][w], src);
+  }
+  return r;
+}
+
+// Issues one tile into a stage: every lane validates the entry and records the tile's descriptors (kDescBad for a
+// refused stream) in its own descriptor slot; lane 0 starts the two bulk copies on the stage's mbarrier.
+template <int D>
+__device__ __forceinline__ void issue_tile(const Params& p, int tile_in_page, const Entry<D>& e, uint8_t* stage,
+                                           uint4* desc_slot, uint32_t bar, int lane) {
+  constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
+  uint8_t descs[2 * kB];
+  const uint8_t* src[2];
+  uint32_t bytes[2];
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv) {
+    uint32_t dw[kW], inval = e.bad_before, before = e.before[kv];
+#pragma unroll
+    for (int w = 0; w < kW; ++w) dw[w] = e.desc[kv][w];
     if constexpr (kB == 2) {  // the tile is half of a descriptor word
       if (tile_in_page % 2) {
         before += __popc(dw[0] & 0x8080u);
@@ -200,33 +235,27 @@ __device__ __forceinline__ void issue_tile(const Params& p, int tile_in_page, co
         dw[0] &= 0xFFFFu;
       }
     }
+    uint32_t raw = 0;
 #pragma unroll
     for (int w = 0; w < kW; ++w) {
       inval |= invalid_desc_bytes(dw[w]);
-      raw |= raw_bits(dw[w]) << (4 * w);
+      raw += __popc(dw[w] & 0x80808080u);
     }
-    const int first = tile_in_page * kB;
-    const int64_t start = static_cast<int64_t>(m.start[kv]) * kStreamAlign;
-    const int64_t end = start + int64_t{kCompBlockBytes} * (first + kB) +
-                        int64_t{kRawBlockBytes - kCompBlockBytes} * (before + __popc(raw));
-    const bool ok = !m.bad && m.start[kv] >= 0 && inval == 0 && end <= p.data_bytes;
+    const int64_t begin = int64_t{e.start[kv]} * kStreamAlign + int64_t{kCompBlockBytes} * tile_in_page * kB +
+                          int64_t{kRawBlockBytes - kCompBlockBytes} * before;
+    bytes[kv] = kCompBlockBytes * kB + (kRawBlockBytes - kCompBlockBytes) * raw;
+    const bool ok = e.page >= 0 && e.start[kv] >= 0 && inval == 0 && begin + bytes[kv] <= p.data_bytes;
+    src[kv] = p.data + begin;
+    if (!ok) bytes[kv] = 0;
 #pragma unroll
-    for (int c = 0; c < kB; ++c) {
-      const uint8_t desc = static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4)));
-      descs[kv * kB + c] = ok ? desc : kDescBad;
-      if (!ok) continue;
-      const int64_t off = start + int64_t{kCompBlockBytes} * (first + c) +
-                          int64_t{kRawBlockBytes - kCompBlockBytes} * (before + __popc(raw & ((1u << c) - 1)));
-      const uint8_t* src = p.data + off;
-      const uint32_t dst = smem_addr(stage + (kv * kB + c) * kSlotBytes);
-      if (desc == kDescRaw) {
-        cp_async16(dst + 16 * lane, src + 32 * lane);
-        cp_async16(dst + kLowBytes + 16 * lane, src + 32 * lane + 16);
-      } else {
-        cp_async16(dst + 16 * lane, src + 16 * lane);
-        cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
-      }
-    }
+    for (int c = 0; c < kB; ++c) descs[kv * kB + c] = ok ? static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4))) : kDescBad;
+  }
+  if (lane == 0) {
+    fence_proxy_async();  // the warp's reads of this stage (ordered by the caller's __syncwarp) come first
+    mbar_arrive_expect(bar, bytes[0] + bytes[1]);
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+      if (bytes[kv]) bulk_copy(smem_addr(stage + kv * Cfg<D>::kHalfBytes), src[kv], bytes[kv], bar);
   }
   uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -279,28 +308,34 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
 
   uint8_t* pipe = smem + warp * kS * C::kStageBytes;
   uint4* desc_slots = reinterpret_cast<uint4*>(smem + C::kPipeBytes) + warp * kS * 32 + lane;
+  const uint32_t bars = smem_addr(smem + C::kPipeBytes + C::kDescBytes) + warp * kS * 8;
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < kS; ++s) mbar_init(bars + 8 * s);
+    mbar_init_fence();
+  }
+  __syncwarp();
 
-  // Page ids of the warp's tiles, 32 at a time, one per lane; fetched with shuffles.
-  int cached_base = -1;
-  int32_t cached_page = 0;
-  auto page_of = [&](int i) {
-    const int base = i / 32 * 32;
-    if (base != cached_base) {
-      cached_base = base;
-      const int k = base + lane;
-      cached_page = k < n_mine ? __ldg(p.kv_indices + begin + tile_of(k) / tiles_per_page) : 0;
-    }
-    return __shfl_sync(0xFFFFFFFFu, cached_page, i % 32);
-  };
+  // Tile table: `cur` covers the warp's tiles 32 blk .. 32 blk + 31 (lane k: tile 32 blk + k), `nxt` the block
+  // after, `ids2` holds the page ids of the block after that.
+  auto page_id = [&](int i) { return i < n_mine ? __ldg(p.kv_indices + begin + tile_of(i) / tiles_per_page) : -1; };
+  Entry<D> cur, nxt;
+  load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, cur);
+  const int32_t ids1 = page_id(32 + lane);
+  int32_t ids2 = page_id(64 + lane);
+  load_entry<D>(p, head, ids1, tile_of(32 + lane) % tiles_per_page, nxt);
 
-  TileMeta<D> next;
-  auto prefetch = [&](int i) {
-    if (i < n_mine) load_tile_meta<D>(p, head, page_of(i), tile_of(i) % tiles_per_page, next);
-  };
   auto issue = [&](int i) {
-    if (i < n_mine) issue_tile<D>(p, tile_of(i) % tiles_per_page, next, pipe + (i % kS) * C::kStageBytes,
-                                  desc_slots + (i % kS) * 32, lane);
-    cp_async_commit();
+    if (i < n_mine) {
+      if (i % 32 == 0 && i > 0) {  // move the table one block on; its loads were started a block ago
+        cur = nxt;
+        load_entry<D>(p, head, ids2, tile_of(i + 32 + lane) % tiles_per_page, nxt);
+        ids2 = page_id(i + 64 + lane);
+      }
+      const Entry<D> e = shfl_entry<D>(cur, i % 32);
+      issue_tile<D>(p, tile_of(i) % tiles_per_page, e, pipe + (i % kS) * C::kStageBytes, desc_slots + (i % kS) * 32,
+                    bars + 8 * (i % kS), lane);
+    }
   };
 
   float o[D / 8][kAcc];
@@ -311,21 +346,19 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
   float m_run[kHalves], l_run[kHalves];
 #pragma unroll
   for (int r = 0; r < kHalves; ++r) m_run[r] = -INFINITY, l_run[r] = 0.f;
+  bool refused = false;  // a block of the request was refused: its out and lse become NaN
 
-  prefetch(0);
 #pragma unroll
-  for (int s = 0; s < kS - 1; ++s) {
-    issue(s);
-    prefetch(s + 1);
-  }
+  for (int s = 0; s < kS - 1; ++s) issue(s);
 
   for (int i = 0; i < n_mine; ++i) {
-    issue(i + kS - 1);  // `next` holds tile i + kS - 1's meta
-    prefetch(i + kS);
-    cp_async_wait<kS - 1>();  // tile i has landed (this lane's copies; the lane reads only those)
+    __syncwarp();      // every lane is done reading the stage that tile i + kS - 1 will overwrite
+    issue(i + kS - 1);
+    mbar_wait(bars + 8 * (i % kS), (i / kS) & 1);  // tile i has landed
 
     const uint8_t* stage = pipe + (i % kS) * C::kStageBytes;
     const uint4 descs = desc_slots[(i % kS) * 32];
+    refused |= invalid_desc_bytes(descs.x | descs.y | descs.z | descs.w) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
 
@@ -335,16 +368,18 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int j = 0; j < kAcc; ++j) s[h][j] = 0.f;
+    int off = 0;  // blocks sit at their stream offsets: 768 each, 1024 when raw
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
+      const uint8_t desc = desc_at(descs, c);
       uint32_t kr[8];
-      rebuild(stage + c * kSlotBytes, desc_at(descs, c), lane, kr);
+      rebuild(stage + off, desc, lane, kr);
+      off += desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int c2 = 0; c2 < 2; ++c2) mma<kHalves>(s[h], qa[2 * c + c2], kr[4 * h + 2 * c2], kr[4 * h + 2 * c2 + 1]);
     }
-
     // Online softmax (base 2), per row half; the 4 lanes of a row (t = 0..3) share its max.
     uint32_t pa[4];
 #pragma unroll
@@ -390,21 +425,24 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
         vmask[j] = (2 * t + 8 * j < valid ? 0x0000FFFFu : 0u) | (2 * t + 8 * j + 1 < valid ? 0xFFFF0000u : 0u);
     }
     // O += P V: block c's lane registers 2 n and 2 n + 1 are dims 32 c + 8 n + g, tokens {2t, 2t+1} and {2t+8, 2t+9}.
+    off = C::kHalfBytes;
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
+      const uint8_t desc = desc_at(descs, kB + c);
       uint32_t vr[8];
-      rebuild(stage + (kB + c) * kSlotBytes, desc_at(descs, kB + c), lane, vr);
+      rebuild(stage + off, desc, lane, vr);
+      off += desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes;
 #pragma unroll
       for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[2 * n] & vmask[0], vr[2 * n + 1] & vmask[1]);
     }
   }
-  cp_async_wait<0>();
 
   // Merge the warps' states (the pipeline buffers are free now): per row, m and l, and the unnormalised O.
 #pragma unroll
   for (int r = 0; r < kHalves; ++r) {
     l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 2);
+    if (refused) l_run[r] = __int_as_float(0x7FFFFFFF);
   }
   __syncthreads();
   float* ow = reinterpret_cast<float*>(smem);  // [kWarps][16][D]
