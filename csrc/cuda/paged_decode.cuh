@@ -53,18 +53,20 @@ struct Params {
   float scale_log2;  // sm_scale * log2(e): the softmax runs in base 2
 };
 
-// Geometry and pipeline depth per head_dim. A stage holds one tile's K bytes then its V bytes, each in room for all
-// blocks raw; the depth keeps >= 2 tiles in flight per warp while leaving room for 1-3 CTAs per SM.
+// Geometry and pipeline depth per head_dim. Each warp owns a byte ring of kRingBytes in shared memory; a tile takes
+// exactly its stored size (K bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in
+// the same room (decode is bound by bytes in flight: Little's law). kSlots bounds the tiles in the ring at once.
 template <int D>
 struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
-  static constexpr int kStages = D == 64 ? 4 : 3;
-  static constexpr int kHalfBytes = kBlocks * kRawBlockBytes;  // K (or V) part of a stage
-  static constexpr int kStageBytes = 2 * kHalfBytes;
-  static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kDescBytes = kWarps * kStages * 32 * 16;  // one uint4 of descriptors per lane and stage
-  static constexpr int kBarBytes = kWarps * kStages * 8;         // one mbarrier per warp and stage
-  static constexpr int kSmemBytes = kPipeBytes + kDescBytes + kBarBytes;
+  static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
+  static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
+  static constexpr int kRingBytes = (D == 64 ? 4 : 3) * kMaxTileBytes;
+  static constexpr int kSlots = kRingBytes / kMinTileBytes;
+  static constexpr int kPipeBytes = kWarps * kRingBytes;
+  static constexpr int kSlotBytes = kWarps * kSlots * 32;  // per warp and slot: descriptors (16 B), start (4 B)
+  static constexpr int kBarBytes = kWarps * kSlots * 8;         // one mbarrier per warp and slot
+  static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes;
   static constexpr int kMinCtas = D == 64 ? 3 : D == 128 ? 2 : 1;
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
 };
@@ -212,15 +214,20 @@ __device__ __forceinline__ Entry<D> shfl_entry(const Entry<D>& e, int src) {
   return r;
 }
 
-// Issues one tile into a stage: every lane validates the entry and records the tile's descriptors (kDescBad for a
-// refused stream) in its own descriptor slot; lane 0 starts the two bulk copies on the stage's mbarrier.
+// A tile ready to issue: its descriptors (kDescBad for a refused stream) and where its K and V bytes come from.
 template <int D>
-__device__ __forceinline__ void issue_tile(const Params& p, int tile_in_page, const Entry<D>& e, uint8_t* stage,
-                                           uint4* desc_slot, uint32_t bar, int lane) {
-  constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
-  uint8_t descs[2 * kB];
+struct Planned {
+  uint4 descs;
   const uint8_t* src[2];
-  uint32_t bytes[2];
+  uint32_t bytes[2];  // 0 for a refused stream
+};
+
+// Every lane validates an entry the same way, so all lanes agree on the tile's size and descriptors.
+template <int D>
+__device__ __forceinline__ Planned<D> plan_tile(const Params& p, int tile_in_page, const Entry<D>& e) {
+  constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
+  Planned<D> t;
+  uint8_t descs[2 * kB];
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
     uint32_t dw[kW], inval = e.bad_before, before = e.before[kv];
@@ -243,24 +250,34 @@ __device__ __forceinline__ void issue_tile(const Params& p, int tile_in_page, co
     }
     const int64_t begin = int64_t{e.start[kv]} * kStreamAlign + int64_t{kCompBlockBytes} * tile_in_page * kB +
                           int64_t{kRawBlockBytes - kCompBlockBytes} * before;
-    bytes[kv] = kCompBlockBytes * kB + (kRawBlockBytes - kCompBlockBytes) * raw;
-    const bool ok = e.page >= 0 && e.start[kv] >= 0 && inval == 0 && begin + bytes[kv] <= p.data_bytes;
-    src[kv] = p.data + begin;
-    if (!ok) bytes[kv] = 0;
+    const uint32_t bytes = kCompBlockBytes * kB + (kRawBlockBytes - kCompBlockBytes) * raw;
+    const bool ok = e.page >= 0 && e.start[kv] >= 0 && inval == 0 && begin + bytes <= p.data_bytes;
+    t.src[kv] = p.data + (ok ? begin : 0);
+    t.bytes[kv] = ok ? bytes : 0;
 #pragma unroll
     for (int c = 0; c < kB; ++c) descs[kv * kB + c] = ok ? static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4))) : kDescBad;
-  }
-  if (lane == 0) {
-    fence_proxy_async();  // the warp's reads of this stage (ordered by the caller's __syncwarp) come first
-    mbar_arrive_expect(bar, bytes[0] + bytes[1]);
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-      if (bytes[kv]) bulk_copy(smem_addr(stage + kv * Cfg<D>::kHalfBytes), src[kv], bytes[kv], bar);
   }
   uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int j = 0; j < 2 * kB; ++j) packed[j / 4] |= static_cast<uint32_t>(descs[j]) << (8 * (j % 4));
-  *desc_slot = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  t.descs = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  return t;
+}
+
+// Lane 0 starts the tile's two bulk copies (K bytes, then V bytes right after) into dst on the slot's mbarrier.
+template <int D>
+__device__ __forceinline__ void issue_tile(const Planned<D>& t, uint8_t* dst, uint32_t bar, int lane) {
+  if (lane == 0) {
+    fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
+    mbar_arrive_expect(bar, t.bytes[0] + t.bytes[1]);
+    if (t.bytes[0]) bulk_copy(smem_addr(dst), t.src[0], t.bytes[0], bar);
+    if (t.bytes[1]) bulk_copy(smem_addr(dst + t.bytes[0]), t.src[1], t.bytes[1], bar);
+  }
+}
+
+// Bytes a block takes in the ring: a refused stream was not copied at all.
+__device__ __forceinline__ int block_size(uint8_t desc) {
+  return desc == kDescRaw ? kRawBlockBytes : desc == kDescBad ? 0 : kCompBlockBytes;
 }
 
 __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
@@ -272,7 +289,7 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
 template <int D, int kHalves>
 __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kernel(const Params p) {
   using C = Cfg<D>;
-  constexpr int kB = C::kBlocks, kS = C::kStages, kAcc = 2 * kHalves;
+  constexpr int kB = C::kBlocks, kSlots = C::kSlots, kAcc = 2 * kHalves;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int split = blockIdx.x % p.num_splits;
@@ -306,12 +323,14 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
     }
   }
 
-  uint8_t* pipe = smem + warp * kS * C::kStageBytes;
-  uint4* desc_slots = reinterpret_cast<uint4*>(smem + C::kPipeBytes) + warp * kS * 32 + lane;
-  const uint32_t bars = smem_addr(smem + C::kPipeBytes + C::kDescBytes) + warp * kS * 8;
+  uint8_t* ring = smem + warp * C::kRingBytes;
+  // Per slot, what lane 0 planned for the tile in it (every lane reads it after the __syncwarp that follows fill).
+  uint4* slot_descs = reinterpret_cast<uint4*>(smem + C::kPipeBytes) + warp * kSlots * 2;
+  int32_t* slot_start = reinterpret_cast<int32_t*>(slot_descs + 1);
+  const uint32_t bars = smem_addr(smem + C::kPipeBytes + C::kSlotBytes) + warp * kSlots * 8;
   if (lane == 0) {
 #pragma unroll
-    for (int s = 0; s < kS; ++s) mbar_init(bars + 8 * s);
+    for (int s = 0; s < kSlots; ++s) mbar_init(bars + 8 * s);
     mbar_init_fence();
   }
   __syncwarp();
@@ -324,17 +343,29 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
   const int32_t ids1 = page_id(32 + lane);
   int32_t ids2 = page_id(64 + lane);
   load_entry<D>(p, head, ids1, tile_of(32 + lane) % tiles_per_page, nxt);
+  auto plan = [&](int i) {
+    if (i % 32 == 0 && i > 0) {  // move the table one block on; its loads were started a block ago
+      cur = nxt;
+      load_entry<D>(p, head, ids2, tile_of(i + 32 + lane) % tiles_per_page, nxt);
+      ids2 = page_id(i + 64 + lane);
+    }
+    return plan_tile<D>(p, tile_of(i) % tiles_per_page, shfl_entry<D>(cur, i % 32));
+  };
 
-  auto issue = [&](int i) {
-    if (i < n_mine) {
-      if (i % 32 == 0 && i > 0) {  // move the table one block on; its loads were started a block ago
-        cur = nxt;
-        load_entry<D>(p, head, ids2, tile_of(i + 32 + lane) % tiles_per_page, nxt);
-        ids2 = page_id(i + 64 + lane);
-      }
-      const Entry<D> e = shfl_entry<D>(cur, i % 32);
-      issue_tile<D>(p, tile_of(i) % tiles_per_page, e, pipe + (i % kS) * C::kStageBytes, desc_slots + (i % kS) * 32,
-                    bars + 8 * (i % kS), lane);
+  // Ring state (warp-uniform): bytes are counted monotonically; a tile that would wrap starts at the ring's start.
+  int issued = 0, head_pos = 0, tail_pos = 0;
+  Planned<D> next = plan(0);
+  auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
+    while (issued < n_mine && issued - consumed < kSlots) {
+      const int size = static_cast<int>(next.bytes[0] + next.bytes[1]);
+      const int at = head_pos % C::kRingBytes;
+      const int start = at + size > C::kRingBytes ? head_pos + (C::kRingBytes - at) : head_pos;
+      if (start + size - tail_pos > C::kRingBytes) break;
+      const int slot = issued % kSlots;
+      issue_tile<D>(next, ring + start % C::kRingBytes, bars + 8 * slot, lane);
+      if (lane == 0) slot_descs[slot * 2] = next.descs, slot_start[slot * 8] = start;
+      head_pos = start + size;
+      if (++issued < n_mine) next = plan(issued);
     }
   };
 
@@ -348,38 +379,44 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
   for (int r = 0; r < kHalves; ++r) m_run[r] = -INFINITY, l_run[r] = 0.f;
   bool refused = false;  // a block of the request was refused: its out and lse become NaN
 
-#pragma unroll
-  for (int s = 0; s < kS - 1; ++s) issue(s);
-
+  if (n_mine > 0) fill(0);
+  __syncwarp();
   for (int i = 0; i < n_mine; ++i) {
-    __syncwarp();      // every lane is done reading the stage that tile i + kS - 1 will overwrite
-    issue(i + kS - 1);
-    mbar_wait(bars + 8 * (i % kS), (i / kS) & 1);  // tile i has landed
-
-    const uint8_t* stage = pipe + (i % kS) * C::kStageBytes;
-    const uint4 descs = desc_slots[(i % kS) * 32];
-    refused |= invalid_desc_bytes(descs.x | descs.y | descs.z | descs.w) != 0;  // only kDescBad is invalid here
+    const int slot = i % kSlots;
+    mbar_wait(bars + 8 * slot, (i / kSlots) & 1);  // tile i has landed
+    const int start = slot_start[slot * 8];
+    const uint8_t* stage = ring + start % C::kRingBytes;
+    const uint4 descs = slot_descs[slot * 2];
+    refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
+                invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
 
-    // S = Q K^T for 16 tokens: s[h][.] holds tokens 8 h + 2t, 8 h + 2t + 1 (row g; then row g + 8).
-    float s[2][kAcc];
+    // S = Q K^T for 16 tokens: s[h][.] holds tokens 8 h + 2t, 8 h + 2t + 1 (row g; then row g + 8). The two halves
+    // of each 32-dim block accumulate separately (two shorter dependent mma chains), summed at the end.
+    float s[2][kAcc], s2[2][kAcc];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int j = 0; j < kAcc; ++j) s[h][j] = 0.f;
-    int off = 0;  // blocks sit at their stream offsets: 768 each, 1024 when raw
+      for (int j = 0; j < kAcc; ++j) s[h][j] = 0.f, s2[h][j] = 0.f;
+    int off = 0;  // blocks sit as in their stream: 768 bytes each, 1024 when raw; V right after K
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
       const uint8_t desc = desc_at(descs, c);
       uint32_t kr[8];
       rebuild(stage + off, desc, lane, kr);
-      off += desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes;
+      off += block_size(desc);
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) mma<kHalves>(s[h], qa[2 * c + c2], kr[4 * h + 2 * c2], kr[4 * h + 2 * c2 + 1]);
+      for (int h = 0; h < 2; ++h) {
+        mma<kHalves>(s[h], qa[2 * c], kr[4 * h], kr[4 * h + 1]);
+        mma<kHalves>(s2[h], qa[2 * c + 1], kr[4 * h + 2], kr[4 * h + 3]);
+      }
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) s[h][j] += s2[h][j];
+
     // Online softmax (base 2), per row half; the 4 lanes of a row (t = 0..3) share its max.
     uint32_t pa[4];
 #pragma unroll
@@ -425,16 +462,19 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
         vmask[j] = (2 * t + 8 * j < valid ? 0x0000FFFFu : 0u) | (2 * t + 8 * j + 1 < valid ? 0xFFFF0000u : 0u);
     }
     // O += P V: block c's lane registers 2 n and 2 n + 1 are dims 32 c + 8 n + g, tokens {2t, 2t+1} and {2t+8, 2t+9}.
-    off = C::kHalfBytes;
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
       const uint8_t desc = desc_at(descs, kB + c);
       uint32_t vr[8];
       rebuild(stage + off, desc, lane, vr);
-      off += desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes;
+      off += block_size(desc);
 #pragma unroll
       for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[2 * n] & vmask[0], vr[2 * n + 1] & vmask[1]);
     }
+    tail_pos = start + off;  // V bytes follow K bytes: off is the tile's size
+    __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
+    fill(i + 1);
+    __syncwarp();            // lane 0's slot records are visible to the warp
   }
 
   // Merge the warps' states (the pipeline buffers are free now): per row, m and l, and the unnormalised O.
