@@ -66,7 +66,8 @@ struct Cfg {
   static constexpr int kPipeBytes = kWarps * kRingBytes;
   static constexpr int kSlotBytes = kWarps * kSlots * 32;  // per warp and slot: descriptors (16 B), start (4 B)
   static constexpr int kBarBytes = kWarps * kSlots * 8;         // one mbarrier per warp and slot
-  static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes;
+  static constexpr int kTableBytes = kWarps * 64 * 32;          // per warp, two blocks of 32 tile records
+  static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes + kTableBytes;
   static constexpr int kMinCtas = D == 64 ? 3 : D == 128 ? 2 : 1;
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
 };
@@ -136,23 +137,27 @@ __device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
 // The lane's 16 values of a block (at `block` in shared memory, stored as in global memory) as 8 bf16x2 registers
 // in position order: raw, its 32 bytes at 32 lane; compressed, 16 low bytes at 16 lane and 8 code bytes at
 // 512 + 8 lane (both conflict-free).
+__device__ __forceinline__ void rebuild_compressed(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
+  const uint4 lo = *reinterpret_cast<const uint4*>(block + 16 * lane);
+  const uint2 cw = *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane);
+  uint32_t h[4];
+  decode_high_bytes(cw.x, desc, &h[0], &h[1]);
+  decode_high_bytes(cw.y, desc, &h[2], &h[3]);
+  const uint32_t l[4] = {lo.x, lo.y, lo.z, lo.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // bytes (lo0, hi0, lo1, hi1) and (lo2, hi2, lo3, hi3)
+    r[2 * j] = __byte_perm(l[j], h[j], 0x5140);
+    r[2 * j + 1] = __byte_perm(l[j], h[j], 0x7362);
+  }
+}
+
 __device__ __forceinline__ void rebuild(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
   if (desc == kDescRaw) {
     const uint4 a = *reinterpret_cast<const uint4*>(block + 32 * lane);
     const uint4 b = *reinterpret_cast<const uint4*>(block + 32 * lane + 16);
     r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w, r[4] = b.x, r[5] = b.y, r[6] = b.z, r[7] = b.w;
   } else if (desc < kDescRaw) {
-    const uint4 lo = *reinterpret_cast<const uint4*>(block + 16 * lane);
-    const uint2 cw = *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane);
-    uint32_t h[4];
-    decode_high_bytes(cw.x, desc, &h[0], &h[1]);
-    decode_high_bytes(cw.y, desc, &h[2], &h[3]);
-    const uint32_t l[4] = {lo.x, lo.y, lo.z, lo.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // bytes (lo0, hi0, lo1, hi1) and (lo2, hi2, lo3, hi3)
-      r[2 * j] = __byte_perm(l[j], h[j], 0x5140);
-      r[2 * j + 1] = __byte_perm(l[j], h[j], 0x7362);
-    }
+    rebuild_compressed(block, desc, lane, r);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) r[j] = 0xFFFFFFFFu;  // NaN: the block was refused
@@ -199,35 +204,22 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
   }
 }
 
-template <int D>
-__device__ __forceinline__ Entry<D> shfl_entry(const Entry<D>& e, int src) {
-  Entry<D> r;
-  r.page = __shfl_sync(0xFFFFFFFFu, e.page, src);
-  r.bad_before = __shfl_sync(0xFFFFFFFFu, e.bad_before, src);
-#pragma unroll
-  for (int kv = 0; kv < 2; ++kv) {
-    r.start[kv] = __shfl_sync(0xFFFFFFFFu, e.start[kv], src);
-    r.before[kv] = __shfl_sync(0xFFFFFFFFu, e.before[kv], src);
-#pragma unroll
-    for (int w = 0; w < Entry<D>::kDescWords; ++w) r.desc[kv][w] = __shfl_sync(0xFFFFFFFFu, e.desc[kv][w], src);
-  }
-  return r;
-}
-
-// A tile ready to issue: its descriptors (kDescBad for a refused stream) and where its K and V bytes come from.
-template <int D>
-struct Planned {
-  uint4 descs;
-  const uint8_t* src[2];
-  uint32_t bytes[2];  // 0 for a refused stream
+// A tile planned for issue, 32 bytes in the warp's tile table: descriptors (kDescBad for a refused stream), where
+// its K and V bytes are, how many, and whether every block is compressed (the compute's straight-line path).
+struct TileRec {
+  uint4 descs;       // K descriptor bytes, then V's
+  uint32_t src[2];   // K, V byte offsets in data / 256
+  uint32_t bytes;    // K bytes | V bytes << 16 (0 for a refused stream)
+  uint32_t all_comp;
 };
 
-// Every lane validates an entry the same way, so all lanes agree on the tile's size and descriptors.
+// Validates an entry and plans its tile. Each lane plans its own tile of a block of 32, so this runs once per tile.
 template <int D>
-__device__ __forceinline__ Planned<D> plan_tile(const Params& p, int tile_in_page, const Entry<D>& e) {
+__device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, const Entry<D>& e) {
   constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
-  Planned<D> t;
+  TileRec t;
   uint8_t descs[2 * kB];
+  uint32_t any_raw = 0;
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
     uint32_t dw[kW], inval = e.bad_before, before = e.before[kv];
@@ -252,27 +244,29 @@ __device__ __forceinline__ Planned<D> plan_tile(const Params& p, int tile_in_pag
                           int64_t{kRawBlockBytes - kCompBlockBytes} * before;
     const uint32_t bytes = kCompBlockBytes * kB + (kRawBlockBytes - kCompBlockBytes) * raw;
     const bool ok = e.page >= 0 && e.start[kv] >= 0 && inval == 0 && begin + bytes <= p.data_bytes;
-    t.src[kv] = p.data + (ok ? begin : 0);
-    t.bytes[kv] = ok ? bytes : 0;
+    t.src[kv] = ok ? static_cast<uint32_t>(begin / kStreamAlign) : 0;
+    any_raw |= ok ? raw : 1;
+    if (!ok) raw = 0;
 #pragma unroll
     for (int c = 0; c < kB; ++c) descs[kv * kB + c] = ok ? static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4))) : kDescBad;
+    if (kv == 0) t.bytes = ok ? bytes : 0;
+    else t.bytes |= (ok ? bytes : 0) << 16;
   }
   uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int j = 0; j < 2 * kB; ++j) packed[j / 4] |= static_cast<uint32_t>(descs[j]) << (8 * (j % 4));
   t.descs = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  t.all_comp = any_raw == 0;
   return t;
 }
 
 // Lane 0 starts the tile's two bulk copies (K bytes, then V bytes right after) into dst on the slot's mbarrier.
-template <int D>
-__device__ __forceinline__ void issue_tile(const Planned<D>& t, uint8_t* dst, uint32_t bar, int lane) {
-  if (lane == 0) {
-    fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
-    mbar_arrive_expect(bar, t.bytes[0] + t.bytes[1]);
-    if (t.bytes[0]) bulk_copy(smem_addr(dst), t.src[0], t.bytes[0], bar);
-    if (t.bytes[1]) bulk_copy(smem_addr(dst + t.bytes[0]), t.src[1], t.bytes[1], bar);
-  }
+__device__ __forceinline__ void issue_tile(const Params& p, const TileRec& t, uint8_t* dst, uint32_t bar) {
+  const uint32_t kb = t.bytes & 0xFFFFu, vb = t.bytes >> 16;
+  fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
+  mbar_arrive_expect(bar, kb + vb);
+  if (kb) bulk_copy(smem_addr(dst), p.data + uint64_t{t.src[0]} * kStreamAlign, kb, bar);
+  if (vb) bulk_copy(smem_addr(dst + kb), p.data + uint64_t{t.src[1]} * kStreamAlign, vb, bar);
 }
 
 // Bytes a block takes in the ring: a refused stream was not copied at all.
@@ -335,37 +329,41 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
   }
   __syncwarp();
 
-  // Tile table: `cur` covers the warp's tiles 32 blk .. 32 blk + 31 (lane k: tile 32 blk + k), `nxt` the block
-  // after, `ids2` holds the page ids of the block after that.
+  // Tile table: records of the warp's tiles, two blocks of 32 (block k in half k % 2). At refresh(k) lane j plans
+  // tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts the loads for block k + 1
+  // (whose page ids it loaded at refresh(k - 1)) and the page ids of block k + 2: nothing waits on memory.
+  TileRec* table = reinterpret_cast<TileRec*>(smem + C::kPipeBytes + C::kSlotBytes + C::kBarBytes) + warp * 64;
   auto page_id = [&](int i) { return i < n_mine ? __ldg(p.kv_indices + begin + tile_of(i) / tiles_per_page) : -1; };
-  Entry<D> cur, nxt;
-  load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, cur);
-  const int32_t ids1 = page_id(32 + lane);
-  int32_t ids2 = page_id(64 + lane);
-  load_entry<D>(p, head, ids1, tile_of(32 + lane) % tiles_per_page, nxt);
-  auto plan = [&](int i) {
-    if (i % 32 == 0 && i > 0) {  // move the table one block on; its loads were started a block ago
-      cur = nxt;
-      load_entry<D>(p, head, ids2, tile_of(i + 32 + lane) % tiles_per_page, nxt);
-      ids2 = page_id(i + 64 + lane);
-    }
-    return plan_tile<D>(p, tile_of(i) % tiles_per_page, shfl_entry<D>(cur, i % 32));
+  Entry<D> pending;
+  load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, pending);
+  int32_t ids_next = page_id(32 + lane);
+  int refreshed = -1;
+  auto refresh = [&](int k) {
+    table[(k % 2) * 32 + lane] = plan_tile<D>(p, tile_of(32 * k + lane) % tiles_per_page, pending);
+    load_entry<D>(p, head, ids_next, tile_of(32 * (k + 1) + lane) % tiles_per_page, pending);
+    ids_next = page_id(32 * (k + 2) + lane);
+    refreshed = k;
+    __syncwarp();
   };
 
   // Ring state (warp-uniform): bytes are counted monotonically; a tile that would wrap starts at the ring's start.
   int issued = 0, head_pos = 0, tail_pos = 0;
-  Planned<D> next = plan(0);
   auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
     while (issued < n_mine && issued - consumed < kSlots) {
-      const int size = static_cast<int>(next.bytes[0] + next.bytes[1]);
+      if (issued / 32 != refreshed) refresh(issued / 32);
+      const TileRec& rec = table[(issued / 32 % 2) * 32 + issued % 32];
+      const uint32_t bytes = rec.bytes;
+      const int size = static_cast<int>((bytes & 0xFFFFu) + (bytes >> 16));
       const int at = head_pos % C::kRingBytes;
       const int start = at + size > C::kRingBytes ? head_pos + (C::kRingBytes - at) : head_pos;
       if (start + size - tail_pos > C::kRingBytes) break;
       const int slot = issued % kSlots;
-      issue_tile<D>(next, ring + start % C::kRingBytes, bars + 8 * slot, lane);
-      if (lane == 0) slot_descs[slot * 2] = next.descs, slot_start[slot * 8] = start;
+      if (lane == 0) {
+        issue_tile(p, rec, ring + start % C::kRingBytes, bars + 8 * slot);
+        slot_start[slot * 8] = start;
+      }
       head_pos = start + size;
-      if (++issued < n_mine) next = plan(issued);
+      ++issued;
     }
   };
 
@@ -386,11 +384,34 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
     mbar_wait(bars + 8 * slot, (i / kSlots) & 1);  // tile i has landed
     const int start = slot_start[slot * 8];
     const uint8_t* stage = ring + start % C::kRingBytes;
-    const uint4 descs = slot_descs[slot * 2];
+    const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
+    const uint4 descs = rec.descs;
+    const bool fast = rec.all_comp != 0;
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
+
+    // The lane's registers of a block: all-compressed tiles (the common case) take a straight line at fixed
+    // offsets; others find each block after the ones before it (raw 1024 bytes, refused 0). V follows K.
+    int off = 0;
+    auto rebuild_blocks = [&](int first, uint32_t (&r)[kB][8]) {
+      if (fast) {
+#pragma unroll
+        for (int c = 0; c < kB; ++c)
+          rebuild_compressed(stage + kCompBlockBytes * (first + c), desc_at(descs, first + c), lane, r[c]);
+        off += kB * kCompBlockBytes;
+      } else {
+#pragma unroll
+        for (int c = 0; c < kB; ++c) {
+          const uint8_t desc = desc_at(descs, first + c);
+          rebuild(stage + off, desc, lane, r[c]);
+          off += block_size(desc);
+        }
+      }
+    };
+    uint32_t kr[kB][8];
+    rebuild_blocks(0, kr);
 
     // S = Q K^T for 16 tokens: s[h][.] holds tokens 8 h + 2t, 8 h + 2t + 1 (row g; then row g + 8). The two halves
     // of each 32-dim block accumulate separately (two shorter dependent mma chains), summed at the end.
@@ -399,17 +420,12 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int j = 0; j < kAcc; ++j) s[h][j] = 0.f, s2[h][j] = 0.f;
-    int off = 0;  // blocks sit as in their stream: 768 bytes each, 1024 when raw; V right after K
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
-      const uint8_t desc = desc_at(descs, c);
-      uint32_t kr[8];
-      rebuild(stage + off, desc, lane, kr);
-      off += block_size(desc);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        mma<kHalves>(s[h], qa[2 * c], kr[4 * h], kr[4 * h + 1]);
-        mma<kHalves>(s2[h], qa[2 * c + 1], kr[4 * h + 2], kr[4 * h + 3]);
+        mma<kHalves>(s[h], qa[2 * c], kr[c][4 * h], kr[c][4 * h + 1]);
+        mma<kHalves>(s2[h], qa[2 * c + 1], kr[c][4 * h + 2], kr[c][4 * h + 3]);
       }
     }
 #pragma unroll
@@ -461,17 +477,14 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
       for (int j = 0; j < 2; ++j)
         vmask[j] = (2 * t + 8 * j < valid ? 0x0000FFFFu : 0u) | (2 * t + 8 * j + 1 < valid ? 0xFFFF0000u : 0u);
     }
+    uint32_t vr[kB][8];
+    rebuild_blocks(kB, vr);
     // O += P V: block c's lane registers 2 n and 2 n + 1 are dims 32 c + 8 n + g, tokens {2t, 2t+1} and {2t+8, 2t+9}.
 #pragma unroll
-    for (int c = 0; c < kB; ++c) {
-      const uint8_t desc = desc_at(descs, kB + c);
-      uint32_t vr[8];
-      rebuild(stage + off, desc, lane, vr);
-      off += block_size(desc);
+    for (int c = 0; c < kB; ++c)
 #pragma unroll
-      for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[2 * n] & vmask[0], vr[2 * n + 1] & vmask[1]);
-    }
-    tail_pos = start + off;  // V bytes follow K bytes: off is the tile's size
+      for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[c][2 * n] & vmask[0], vr[c][2 * n + 1] & vmask[1]);
+    tail_pos = start + off;  // off is the tile's size
     __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
     fill(i + 1);
     __syncwarp();            // lane 0's slot records are visible to the warp
