@@ -151,16 +151,22 @@ __device__ __forceinline__ void rebuild_compressed(const uint8_t* block, uint8_t
   }
 }
 
-__device__ __forceinline__ void rebuild(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
-  if (desc == kDescRaw) {
-    const uint4 a = *reinterpret_cast<const uint4*>(block + 32 * lane);
-    const uint4 b = *reinterpret_cast<const uint4*>(block + 32 * lane + 16);
-    r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w, r[4] = b.x, r[5] = b.y, r[6] = b.z, r[7] = b.w;
-  } else if (desc < kDescRaw) {
-    rebuild_compressed(block, desc, lane, r);
-  } else {
+// Either kind of block, without a branch (raw and compressed blocks mix in real KV): three loads at addresses chosen
+// by the kind, then both rebuilds and a select. A refused block (kDescBad) reads whatever is there; the caller turns
+// the request's result into NaN.
+__device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
+  const bool raw = desc == kDescRaw;
+  const uint4 a = *reinterpret_cast<const uint4*>(block + (raw ? 32 * lane : 16 * lane));
+  const uint2 b0 = *reinterpret_cast<const uint2*>(block + (raw ? 32 * lane + 16 : kLowBytes + 8 * lane));
+  const uint2 b1 = *reinterpret_cast<const uint2*>(block + (raw ? 32 * lane + 24 : kLowBytes + 8 * lane));
+  uint32_t h[4];
+  decode_high_bytes(b0.x, desc & 0x7F, &h[0], &h[1]);
+  decode_high_bytes(b0.y, desc & 0x7F, &h[2], &h[3]);
+  const uint32_t l[4] = {a.x, a.y, a.z, a.w}, rw[8] = {a.x, a.y, a.z, a.w, b0.x, b0.y, b1.x, b1.y};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) r[j] = 0xFFFFFFFFu;  // NaN: the block was refused
+  for (int j = 0; j < 4; ++j) {
+    r[2 * j] = raw ? rw[2 * j] : __byte_perm(l[j], h[j], 0x5140);
+    r[2 * j + 1] = raw ? rw[2 * j + 1] : __byte_perm(l[j], h[j], 0x7362);
   }
 }
 
@@ -405,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
 #pragma unroll
         for (int c = 0; c < kB; ++c) {
           const uint8_t desc = desc_at(descs, first + c);
-          rebuild(stage + off, desc, lane, r[c]);
+          rebuild_any(stage + off, desc, lane, r[c]);
           off += block_size(desc);
         }
       }
@@ -462,8 +468,10 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
           sum += s[h][2 * r + j];
         }
       l_run[r] = l_run[r] * alpha + sum;
+      if (__any_sync(0xFFFFFFFFu, alpha != 1.f)) {  // once the max settles, most tiles move no row max
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
+        for (int n = 0; n < D / 8; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
+      }
       pa[r] = pack_bf16(s[0][2 * r], s[0][2 * r + 1]);      // row g (+8 r), tokens 2t, 2t + 1
       pa[r + 2] = pack_bf16(s[1][2 * r], s[1][2 * r + 1]);  // tokens 2t + 8, 2t + 9
     }
@@ -471,19 +479,26 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
 
     // Tokens past the end of a partial tile may hold anything (even NaN bit patterns): zero their V values, as
     // 0 * NaN would poison the product although their probability is 0.
-    uint32_t vmask[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};
+    uint32_t vr[kB][8];
+    rebuild_blocks(kB, vr);
     if (valid < kTileTokens) {
+      // Tokens past the end of a partial tile may hold anything (even NaN bit patterns): zero their V values, as
+      // 0 * NaN would poison the product although their probability is 0. Lane registers hold tokens 2t, 2t + 1
+      // (even registers) and 2t + 8, 2t + 9 (odd registers).
+      uint32_t vmask[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
         vmask[j] = (2 * t + 8 * j < valid ? 0x0000FFFFu : 0u) | (2 * t + 8 * j + 1 < valid ? 0xFFFF0000u : 0u);
+#pragma unroll
+      for (int c = 0; c < kB; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vr[c][j] &= vmask[j % 2];
     }
-    uint32_t vr[kB][8];
-    rebuild_blocks(kB, vr);
     // O += P V: block c's lane registers 2 n and 2 n + 1 are dims 32 c + 8 n + g, tokens {2t, 2t+1} and {2t+8, 2t+9}.
 #pragma unroll
     for (int c = 0; c < kB; ++c)
 #pragma unroll
-      for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[c][2 * n] & vmask[0], vr[c][2 * n + 1] & vmask[1]);
+      for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[c][2 * n], vr[c][2 * n + 1]);
     tail_pos = start + off;  // off is the tile's size
     __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
     fill(i + 1);
