@@ -21,6 +21,20 @@ def gen(request):
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA Graph, after one warm-up call on a side stream (allocations and lazy set-up happen
+    outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def page_table(seq_lens: list[int], page_size: int, num_pages: int, gen: torch.Generator, device="cpu"):
     """kv_indptr, kv_indices (distinct pages in random order), kv_last_page_len for the given lengths."""
     counts = [(n + page_size - 1) // page_size for n in seq_lens]

@@ -8,7 +8,7 @@ import torch_zipkv
 from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
-from conftest import random_kv, requires_cuda, spread_layers, store
+from conftest import capture_graph, random_kv, requires_cuda, spread_layers, store
 
 pytestmark = requires_cuda
 
@@ -134,14 +134,7 @@ def test_storage_ops_capture_in_cuda_graph(gen):
         ops.append_kv(tok[0], tok[1], open_id, slot, P, data, meta)
         ops.decompress_pages(data, meta, all_ids, P, D, out=out)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = capture_graph(body)
     for _ in range(3):
         new_kv = with_zeros(random_kv(n, P, H, D, gen), gen)
         new_tok = torch.randn(2, 1, H, D, generator=gen).to(torch.bfloat16)

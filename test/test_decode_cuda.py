@@ -10,7 +10,8 @@ import torch
 import torch_zipkv
 from torch_zipkv import reference
 
-from conftest import compressible_kv, page_table, random_kv, requires_cuda, spread_layers, store
+from conftest import (capture_graph, compressible_kv, page_table, random_kv, requires_cuda, spread_layers,
+                      store)
 
 pytestmark = requires_cuda
 
@@ -149,14 +150,7 @@ def test_cuda_graph_replay_matches_eager(gen, seq):
         torch_zipkv.paged_decode(q, ckv, indptr, indices, last, out=out, lse=lse)
 
     q.copy_(torch.randn(2, 8, D, generator=gen))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for _ in range(3):
         q.copy_(torch.randn(2, 8, D, generator=gen))
         graph.replay()
