@@ -36,12 +36,13 @@ int occupancy(int head_dim, int group) {
 
 int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
                 int device) {
+  // As many splits as keep every CTA in the first wave: a second, partial wave would cost more than the idle SMs.
   const int64_t slots = int64_t{num_sms(device)} * std::max(1, occupancy(head_dim, group));
   const int64_t ctas = batch * kv_heads;
-  if (ctas >= slots) return 1;
+  if (2 * ctas > slots) return 1;
   const int64_t avg_tiles = (nnz_pages * (page_size / kTileTokens) + batch - 1) / batch;
   const int64_t by_work = std::max<int64_t>(1, avg_tiles / kMinTilesPerSplit);
-  return static_cast<int>(std::min<int64_t>({(slots + ctas - 1) / ctas, by_work, kMaxSplits}));
+  return static_cast<int>(std::min<int64_t>({slots / ctas, by_work, kMaxSplits}));
 }
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
