@@ -3,13 +3,13 @@
 // the tensor-core instruction, and keeps an online softmax in float32. Split-KV (flash-decoding) with a merge kernel.
 //
 // Work split: one CTA per (request, kv head, split). Its 4 warps take the split's 16-token tiles round-robin; each
-// warp runs its own pipeline of kStages tiles and its own online softmax; the warps' states merge in shared memory
-// at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so one lane moves a whole
-// tile with two bulk copies (TMA, cp.async.bulk) that complete on the stage's mbarrier: 2 instructions per tile
-// instead of 16 per lane, and the copy engine keeps the bytes in flight.
+// warp runs its own pipeline through a byte ring in shared memory and its own online softmax; the warps' states
+// merge in shared memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so
+// one lane moves a whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
 //
-// Page ids and meta rows are fetched long before use: lane k of a warp holds what tile 32 b + k needs (its page id
-// two blocks of 32 tiles ahead, its meta words one block ahead), and the issuing step reads them with shuffles.
+// Page ids and meta rows are fetched long before use: once per block of 32 tiles each lane plans one tile of the
+// next block (from meta words it started loading a block earlier) into a tile table in shared memory, so issuing a
+// tile is a table read, a ring check and two copies (benchmarks/NOTES.md has the versions and the profile).
 //
 // Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t):
 //   S = Q K^T: M = the GQA group's query rows (row g, and g + 8 when the group exceeds 8), N = 8 tokens, K = 16 dims.
@@ -20,8 +20,8 @@
 // 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes) and 8 byte permutes.
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
-// out of range, a missing stream, an invalid descriptor or a stream past the end of data turns its tile into NaN;
-// an inconsistent page-table entry (indptr, last_page_len) turns the request's output and lse into NaN.
+// out of range, a missing stream, an invalid descriptor, a stream past the end of data or an inconsistent page-table
+// entry (indptr, last_page_len) turns that request's output and lse into NaN; no byte outside data is read.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,7 +35,7 @@ namespace zipkv::cuda::decode {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block must not be read; it decodes to NaN
+constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block was not copied; the request becomes NaN
 
 struct Params {
   const uint16_t* q;         // [batch, Hq, D]
@@ -55,7 +55,7 @@ struct Params {
 
 // Geometry and pipeline depth per head_dim. Each warp owns a byte ring of kRingBytes in shared memory; a tile takes
 // exactly its stored size (K bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in
-// the same room (decode is bound by bytes in flight: Little's law). kSlots bounds the tiles in the ring at once.
+// the same room. kSlots bounds the tiles in the ring at once (one mbarrier each).
 template <int D>
 struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
@@ -64,12 +64,13 @@ struct Cfg {
   static constexpr int kRingBytes = (D == 64 ? 4 : 3) * kMaxTileBytes;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
-  static constexpr int kSlotBytes = kWarps * kSlots * 32;  // per warp and slot: descriptors (16 B), start (4 B)
-  static constexpr int kBarBytes = kWarps * kSlots * 8;         // one mbarrier per warp and slot
-  static constexpr int kTableBytes = kWarps * 64 * 32;          // per warp, two blocks of 32 tile records
+  static constexpr int kSlotBytes = kWarps * kSlots * 4;   // per warp and slot: where its tile starts in the ring
+  static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
+  static constexpr int kTableBytes = kWarps * 64 * 32;     // per warp, two blocks of 32 tile records
   static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes + kTableBytes;
   static constexpr int kMinCtas = D == 64 ? 3 : D == 128 ? 2 : 1;
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
+  static_assert(kSlotBytes % 8 == 0 && (kSlotBytes + kBarBytes) % 16 == 0, "mbarriers and records stay aligned");
 };
 
 // ---------------------------------------------------------------------------------------------- PTX wrappers
@@ -324,9 +325,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
   }
 
   uint8_t* ring = smem + warp * C::kRingBytes;
-  // Per slot, what lane 0 planned for the tile in it (every lane reads it after the __syncwarp that follows fill).
-  uint4* slot_descs = reinterpret_cast<uint4*>(smem + C::kPipeBytes) + warp * kSlots * 2;
-  int32_t* slot_start = reinterpret_cast<int32_t*>(slot_descs + 1);
+  // Per slot, where lane 0 put its tile in the ring (every lane reads it after the __syncwarp that follows fill).
+  int32_t* slot_start = reinterpret_cast<int32_t*>(smem + C::kPipeBytes) + warp * kSlots;
   const uint32_t bars = smem_addr(smem + C::kPipeBytes + C::kSlotBytes) + warp * kSlots * 8;
   if (lane == 0) {
 #pragma unroll
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
       const int slot = issued % kSlots;
       if (lane == 0) {
         issue_tile(p, rec, ring + start % C::kRingBytes, bars + 8 * slot);
-        slot_start[slot * 8] = start;
+        slot_start[slot] = start;
       }
       head_pos = start + size;
       ++issued;
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
   for (int i = 0; i < n_mine; ++i) {
     const int slot = i % kSlots;
     mbar_wait(bars + 8 * slot, (i / kSlots) & 1);  // tile i has landed
-    const int start = slot_start[slot * 8];
+    const int start = slot_start[slot];
     const uint8_t* stage = ring + start % C::kRingBytes;
     const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
     const uint4 descs = rec.descs;
