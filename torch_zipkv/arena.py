@@ -155,15 +155,15 @@ class Arena:
                 self._release(layer, int(p))
 
     # ---- packed runs ----------------------------------------------------------------------------------------
-    def _alloc_packed(self, layer: int, size: int) -> int | None:
+    def _alloc_packed(self, layer: int, size: int, take: bool = True) -> int | None:
         """Room for ``size`` bytes in a packed chunk of ``layer``: the destination's tail, another packed chunk's
-        tail, or a chunk from the pool if every promise still holds without it. None if there is no such room."""
+        tail, or (if ``take``) a chunk from the pool if every promise still holds without it. None if none."""
         d = self.dest[layer]
         if d is None or self.used[d] + size > self.chunk_bytes:
             tails = [c for c in self.packed_chunks[layer] if self.used[c] + size <= self.chunk_bytes]
             if tails:
                 d = max(tails, key=lambda c: self.chunk_bytes - self.used[c])
-            elif self.pool and self.pool_need() <= len(self.pool) - 1:
+            elif take and self.pool and self.pool_need() <= len(self.pool) - 1:
                 d = self._take_chunk(layer, PACKED)
             else:
                 return None
@@ -206,12 +206,16 @@ class Arena:
         3. Packed chunks: each slides its pages to its start (closing holes); then the sparsest chunks move their
            pages into the others' tails, while they all fit, and go back to the pool.
         """
-        # 1: in-place compressed pages (smaller than a slot, in a slot chunk) into packed room, one chunk at a time.
+        # 1: in-place compressed pages (smaller than a slot) into packed room, one slot chunk at a time. A chunk
+        # from the pool only when the move empties the slot chunk (its pages, each < a slot, fit in one chunk), so
+        # compaction never leaves the pool smaller.
         for c in sorted(self.slot_chunks[layer]):
+            pages = self._pages_in(layer, c)
+            take = bool((self.nbytes[layer, pages] < self.page_bytes).all())
             batch = []
-            for p in self._pages_in(layer, c):
+            for p in pages:
                 size = int(self.nbytes[layer, p])
-                if size < self.page_bytes and (off := self._alloc_packed(layer, size)) is not None:
+                if size < self.page_bytes and (off := self._alloc_packed(layer, size, take)) is not None:
                     old = int(self.offset[layer, p])
                     self._release(layer, int(p))
                     self.offset[layer, p], self.nbytes[layer, p] = off, size
