@@ -94,6 +94,9 @@ def check_accounting(cache, kept: dict, streams) -> None:
         if arena.owner[c] >= 0:
             assert arena.live[c] > 0, f"chunk {c} is owned but empty: it should be back in the pool"
     assert 0 <= st["fragmentation"] < 1 or owned == 0
+    for c, free in arena.free_slots.items():  # free slots read as zeros, so open pages' unwritten tokens do too
+        for off in free:
+            assert not cache.data[off: off + cache.page_bytes].any(), f"free slot at {off} is not zeroed"
     assert arena.pool_need() <= len(arena.pool), "the pool can no longer keep the promises"
 
 

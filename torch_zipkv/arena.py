@@ -55,6 +55,7 @@ class Arena:
         self.dest: list[int | None] = [None] * num_layers  # packed chunk that compressed pages are appended to
         self.free_slot_count = [0] * num_layers
         self.reserved = [0] * num_layers  # raw pages promised per layer; the cache keeps this up to date
+        self.dirty: list[tuple[int, int]] = []  # (offset, bytes) of slots freed or chunks made slots: to zero
 
     # ---- promises -------------------------------------------------------------------------------------------
     def pool_need(self, extra: np.ndarray | None = None) -> int:
@@ -66,8 +67,8 @@ class Arena:
 
     def fits(self, layer: int, pages: int) -> bool:
         """Whether ``layer`` can take ``pages`` raw pages beyond its promises without breaking any promise."""
-        if pages <= self.free_slot_count[layer] - self.reserved[layer]:
-            return True  # its own free slots cover the promises and these; the pool is untouched
+        if pages <= 0 or pages <= self.free_slot_count[layer] - self.reserved[layer]:
+            return True  # promised pages always fit; or its own free slots cover the promises and these
         extra = np.zeros(self.num_layers, dtype=np.int64)
         extra[layer] = pages
         return self.pool_need(extra) <= len(self.pool)
@@ -98,6 +99,7 @@ class Arena:
         if kind == SLOTS:
             base = c * self.chunk_bytes
             self.free_slots[c] = [base + i * self.page_bytes for i in range(self.slots_per_chunk - 1, -1, -1)]
+            self.dirty.append((base, self.chunk_bytes))
             self.slot_chunks[layer].add(c)
             self.free_slot_count[layer] += self.slots_per_chunk
         else:
@@ -123,9 +125,10 @@ class Arena:
         the offsets. Slots come from the fullest slot chunk, so sparse chunks drain and go back to the pool."""
         offsets = []
         for p in pages:
-            open_chunks = [c for c in self.slot_chunks[layer] if self.free_slots[c]]
-            c = min(open_chunks, key=lambda c: len(self.free_slots[c])) if open_chunks \
-                else self._take_chunk(layer, SLOTS)
+            c = min((c for c in self.slot_chunks[layer] if self.free_slots[c]), default=None,
+                    key=lambda c: len(self.free_slots[c]))
+            if c is None:
+                c = self._take_chunk(layer, SLOTS)
             off = self.free_slots[c].pop()
             self.free_slot_count[layer] -= 1
             self.live[c] += self.page_bytes
@@ -138,6 +141,7 @@ class Arena:
         c = off // self.chunk_bytes
         if self.kind[c] == SLOTS:
             self.free_slots[c].append(off)
+            self.dirty.append((off, self.page_bytes))
             self.free_slot_count[layer] += 1
             self.live[c] -= self.page_bytes
             if len(self.free_slots[c]) == self.slots_per_chunk:
@@ -153,6 +157,18 @@ class Arena:
         for p in pages:
             if self.offset[layer, p] >= 0:
                 self._release(layer, int(p))
+
+    def take_dirty(self) -> list[tuple[int, int]]:
+        """Byte ranges the cache must zero now so that every free slot reads as zeros (the unwritten tokens of an open
+        page are then zeros, never stale compressed bytes that could decode as NaN): freed slots that are still free
+        and chunks that became slot chunks (zeroed before any slot in them is written)."""
+        out = []
+        for off, n in self.dirty:
+            c = off // self.chunk_bytes
+            if self.kind[c] == SLOTS and (n == self.chunk_bytes or off in self.free_slots[c]):
+                out.append((off, n))
+        self.dirty = []
+        return out
 
     # ---- packed runs ----------------------------------------------------------------------------------------
     def _alloc_packed(self, layer: int, size: int, take: bool = True) -> int | None:

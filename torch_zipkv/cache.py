@@ -157,12 +157,14 @@ class CompressedPagedKVCache:
         self.data = torch.zeros(num_chunks * self.chunk_bytes, dtype=torch.uint8, device=device)
         self._meta = torch.full((num_layers, max_pages, 2, num_kv_heads, W), fmt.NO_STREAM, dtype=torch.int32,
                                 device=device)
+        self._meta_views = list(self._meta)  # meta(layer) without an indexing op per call
         self._arena = Arena(num_layers, max_pages, num_chunks, self.chunk_bytes, self.page_bytes)
         # Meta rows of an open page at offset 0: stream (K|V, head) starts at (kv * H + head) * stream bytes.
         stream_units = page_size * head_dim * 2 // fmt.STREAM_ALIGN
         self._raw_rows = np.empty((2, num_kv_heads, W), dtype=np.int32)
         self._raw_rows[..., 1:] = fmt.raw_descriptor_words(page_size, head_dim)
         self._raw_rows[..., 0] = np.arange(2 * num_kv_heads).reshape(2, num_kv_heads) * stream_units
+        self._word0 = (np.arange(self._raw_rows.size) % W == 0).astype(np.int64)  # flat row positions of word 0
 
         self._seqs: dict[int, _Seq] = {}
         self._next_seq_id = 0
@@ -218,6 +220,7 @@ class CompressedPagedKVCache:
         ids = seq.pages[: seq.num_ids]
         if len(ids):
             self._meta[:, self._tensor(ids.astype(np.int64))] = fmt.NO_STREAM  # stale ids now fail loudly
+        self._zero_dirty()
         self._free_ids.extend(ids.tolist())
         self._reserved_ids -= max(0, seq.budget - seq.num_ids)
         self._free_rows.append(seq.row)
@@ -322,7 +325,7 @@ class CompressedPagedKVCache:
 
     def meta(self, layer: int) -> torch.Tensor:
         """Meta rows of ``layer``: int32 [max_pages, 2, num_kv_heads, W], for ops on ``data``."""
-        return self._meta[layer]
+        return self._meta_views[layer]
 
     # ---- maintenance between steps ------------------------------------------------------------------------------
     def compress_full_pages(self) -> int:
@@ -378,6 +381,7 @@ class CompressedPagedKVCache:
                 del self._full[layer][p]
         self._copy(np.concatenate(dst), np.concatenate(src), np.concatenate(sizes), scratch)
         self._shift_rows(np.array(layers), np.array(pids), np.concatenate(shift))
+        self._zero_dirty()  # the slots the pages left
 
     def compact(self) -> int:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
@@ -392,6 +396,7 @@ class CompressedPagedKVCache:
                 self._copy(new, old, size, self.data)
                 self._shift_rows(np.full_like(pids, layer), pids, (new - old) // fmt.STREAM_ALIGN)
                 moved += int(size.sum())
+        self._zero_dirty()  # after all copies: a freed slot may have been a source
         return moved
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, source: torch.Tensor) -> None:
@@ -405,6 +410,13 @@ class CompressedPagedKVCache:
         dst_idx = self._tensor(np.repeat(dst // fmt.STREAM_ALIGN, units) + within)
         src_idx = self._tensor(np.repeat(src // fmt.STREAM_ALIGN, units) + within)
         self.data.view(-1, fmt.STREAM_ALIGN)[dst_idx] = source.view(-1, fmt.STREAM_ALIGN)[src_idx]
+
+    def _zero_dirty(self) -> None:
+        ranges = self._arena.take_dirty()
+        if ranges:
+            R = self.page_bytes
+            idx = np.concatenate([np.arange(off // R, (off + n) // R) for off, n in ranges])
+            self.data.view(-1, R)[self._tensor(idx)] = 0
 
     def _shift_rows(self, layers: np.ndarray, pids: np.ndarray, units: np.ndarray) -> None:
         """Add ``units`` to word 0 of every meta row of (layer, page): the page's streams moved that far."""
@@ -504,12 +516,14 @@ class CompressedPagedKVCache:
         self._arena.reserved[layer] -= len(new) - beyond
         pids = [int(s.pages[j]) for s, j in new]
         offsets = np.array(self._arena.place_raw(layer, pids), dtype=np.int64)
-        rows = self._raw_rows[None].repeat(len(pids), 0)
-        rows[..., 0] += (offsets // fmt.STREAM_ALIGN).astype(np.int32)[:, None, None]
-        self.meta(layer).index_copy_(0, self._tensor(np.array(pids, dtype=np.int64)), self._tensor(rows))
-        # Zero the slots: a decode kernel that multiplies whole 16-token tiles must not meet NaN garbage in the
-        # slots not written yet (0 x NaN = NaN), whatever the page held before.
-        self.data.view(-1, self.page_bytes).index_fill_(0, self._tensor(offsets // self.page_bytes), 0)
+        self._zero_dirty()  # a slot chunk just taken from the pool
+        # One host-to-device copy: the page ids, then their meta rows (the template's word 0 of stream (K|V, head)
+        # plus the page's offset; descriptors all raw).
+        k = len(pids)
+        rows = np.concatenate([pids, (self._raw_rows.reshape(1, -1) + np.outer(offsets // fmt.STREAM_ALIGN,
+                                                                                 self._word0)).ravel()])
+        t = self._tensor(rows.astype(np.int32))
+        self._meta_views[layer][t[:k]] = t[k:].view(k, *self._raw_rows.shape)
 
     def _batch(self, seq_ids) -> _Batch:
         if isinstance(seq_ids, torch.Tensor):
