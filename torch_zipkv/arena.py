@@ -125,8 +125,12 @@ class Arena:
         the offsets. Slots come from the fullest slot chunk, so sparse chunks drain and go back to the pool."""
         offsets = []
         for p in pages:
-            c = min((c for c in self.slot_chunks[layer] if self.free_slots[c]), default=None,
-                    key=lambda c: len(self.free_slots[c]))
+            chunks = self.slot_chunks[layer]
+            if len(chunks) == 1:  # the common case in steady decoding: no choice to make
+                c = next(iter(chunks))
+                c = c if self.free_slots[c] else None
+            else:
+                c = min((c for c in chunks if self.free_slots[c]), default=None, key=lambda c: len(self.free_slots[c]))
             if c is None:
                 c = self._take_chunk(layer, SLOTS)
             off = self.free_slots[c].pop()
@@ -214,20 +218,31 @@ class Arena:
         """Plan compaction of ``layer`` as batches of moves (page, old offset, new offset, nbytes), already entered
         in the tables. Copy each batch's bytes before asking for the next: the next may reuse room the batch vacated.
         Within a batch, read every source before writing (the batch may slide pages over their own old bytes).
-        Each batch moves at most one chunk's worth of bytes.
+        Each batch moves at most one chunk's worth of bytes. Never leaves the pool smaller.
 
-        1. Compressed pages kept in slots move to packed room (frees slots).
-        2. Slot chunks: pages of the sparsest chunks move to free slots of the others until the layer holds the
-           fewest slot chunks its pages need; the emptied chunks go back to the pool.
+        1. Slot chunks drain (:meth:`drain_slots`).
+        2. Compressed pages kept in slots move to packed room, freeing their slots; then slots drain again.
         3. Packed chunks: each slides its pages to its start (closing holes); then the sparsest chunks move their
            pages into the others' tails, while they all fit, and go back to the pool.
         """
-        # 1: in-place compressed pages (smaller than a slot) into packed room, one slot chunk at a time. A chunk
-        # from the pool only when the move empties the slot chunk (its pages, each < a slot, fit in one chunk), so
-        # compaction never leaves the pool smaller.
-        for c in sorted(self.slot_chunks[layer]):
-            pages = self._pages_in(layer, c)
-            take = bool((self.nbytes[layer, pages] < self.page_bytes).all())
+        yield from self.drain_slots(layer)
+        yield from self._pack_in_place(layer)
+        yield from self.drain_slots(layer)
+        yield from self._close_packed(layer)
+
+    def _pack_in_place(self, layer: int) -> Iterator[list[tuple[int, int, int, int]]]:
+        """Pages compressed in place (smaller than a slot) into packed room. Chunks come from the pool only when the
+        layer's chunk need cannot grow: all its in-place pages then fit in fewer new chunks than draining the slots
+        they leave gives back (or a slot chunk holds nothing else)."""
+        S, C = self.slots_per_chunk, self.chunk_bytes
+        occupied = len(self.slot_chunks[layer]) * S - self.free_slot_count[layer]
+        chunks = sorted(self.slot_chunks[layer])
+        per_chunk = [self._pages_in(layer, c) for c in chunks]
+        small = [p for pages in per_chunk for p in pages if self.nbytes[layer, p] < self.page_bytes]
+        size = int(self.nbytes[layer, small].sum()) if small else 0
+        gain = -(-occupied // S) - -(-(occupied - len(small)) // S) >= -(-size // C)
+        for pages in per_chunk:
+            take = gain or bool((self.nbytes[layer, pages] < self.page_bytes).all())
             batch = []
             for p in pages:
                 size = int(self.nbytes[layer, p])
@@ -238,11 +253,14 @@ class Arena:
                     batch.append((int(p), old, off, size))
             if batch:
                 yield batch
-        # 2: drain the sparsest slot chunks into free slots of the fuller ones.
+
+    def drain_slots(self, layer: int, slack: int = 0) -> Iterator[list[tuple[int, int, int, int]]]:
+        """Move pages of the sparsest slot chunks into free slots of the others until the layer holds at most
+        ``slack`` more slot chunks than its pages need; the emptied chunks go back to the pool."""
         while True:
             chunks = sorted(self.slot_chunks[layer], key=lambda c: (-len(self.free_slots[c]), c))
             occupied = len(chunks) * self.slots_per_chunk - self.free_slot_count[layer]
-            if len(chunks) <= max(1, -(-occupied // self.slots_per_chunk)):
+            if len(chunks) <= max(1, -(-occupied // self.slots_per_chunk)) + slack:
                 break
             src = chunks[0]
             batch = []
@@ -255,7 +273,9 @@ class Arena:
                 self.offset[layer, p], self.nbytes[layer, p] = new, size
                 batch.append((int(p), old, new, size))
             yield batch
-        # 3a: slide each packed chunk's pages to its start.
+
+    def _close_packed(self, layer: int) -> Iterator[list[tuple[int, int, int, int]]]:
+        """Slide each packed chunk's pages to its start, then empty the sparsest into the others' tails."""
         for c in sorted(self.packed_chunks[layer]):
             if self.used[c] == self.live[c]:
                 continue
@@ -268,7 +288,6 @@ class Arena:
                 at += size
             self.used[c] = self.live[c]
             yield batch
-        # 3b: empty the sparsest packed chunks into the others' tails while everything fits (first fit).
         while len(self.packed_chunks[layer]) > 1:
             src, *others = sorted(self.packed_chunks[layer], key=lambda c: (self.live[c], c))
             pages = self._pages_in(layer, src)

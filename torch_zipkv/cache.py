@@ -348,6 +348,9 @@ class CompressedPagedKVCache:
                     todo.pop(0)
             self._compress(group)
             done += count
+        # Slots the pages left are scattered among open pages (after a prefill, one open page per chunk): drain
+        # layers holding more than one spare slot chunk, so the room returns to the pool for any layer.
+        self._apply(lambda layer: self._arena.drain_slots(layer, slack=1))
         return done
 
     def _compress(self, group: list[tuple[int, list[int]]]) -> None:
@@ -387,9 +390,13 @@ class CompressedPagedKVCache:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
         slots move to packed room, sparse slot chunks drain into others, packed chunks close their holes and the
         sparsest empty into the others' tails. Returns the bytes moved. Between steps; no device sync."""
+        return self._apply(self._arena.compaction)
+
+    def _apply(self, plan) -> int:
+        """Carry out the arena's move batches ``plan(layer)`` for every layer; returns the bytes moved."""
         moved = 0
         for layer in range(self.num_layers):
-            for batch in self._arena.compaction(layer):
+            for batch in plan(layer):
                 if not batch:
                     continue
                 pids, old, new, size = (np.array(x, dtype=np.int64) for x in zip(*batch))
@@ -549,6 +556,10 @@ class CompressedPagedKVCache:
             raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
     def _check_tokens(self, k, v) -> int:
+        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == v.dtype == torch.bfloat16
+                and k.shape == v.shape and k.dim() == 3 and k.shape[1] == self.num_kv_heads
+                and k.shape[2] == self.head_dim and k.device == v.device == self.device):
+            return k.shape[0]  # the decode-step path: one test, then the detailed messages below only on error
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
