@@ -331,8 +331,9 @@ class CompressedPagedKVCache:
     def compress_full_pages(self) -> int:
         """Compress every full page still stored raw and return how many. Call it between decode steps (after the
         attention that read those pages). Pages go to packed chunks, freeing their slots; when no packed room can be
-        taken without breaking a promise, a page is compressed in place in its own slot. One device sync per round of
-        up to 256 MiB of pages."""
+        taken without breaking a promise, a page is compressed in place in its own slot (after one huge compression,
+        e.g. all layers of a long prefill at once, the last layers may end up so; :meth:`compact` packs them). One
+        device sync per round of up to 256 MiB of pages."""
         todo = [(layer, list(full)) for layer, full in enumerate(self._full) if full]
         limit = max(1, _COMPRESS_ROUND_BYTES // self.page_bytes)
         done = 0
