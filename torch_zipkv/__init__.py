@@ -6,13 +6,17 @@ The high-level API:
 - :func:`compress` turns BF16 pages ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` into a
   :class:`CompressedKV`; :func:`decompress` returns them bit-exactly.
 - :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table.
+- :class:`CompressedPagedKVCache` keeps a model's KV cache compressed in a byte budget: sequences, appends, page
+  tables, compression of full pages, capacity for the scheduler (:class:`CacheFullError` when something won't fit).
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _C  # noqa: F401  (registers the zipkv ops)
 from . import ops
+from .cache import CacheFullError, Capacity, CompressedPagedKVCache
 from .compressed_kv import CompressedKV, compress, decompress, paged_decode
 from .format import FORMAT_VERSION
 
-__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION"]
+__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION",
+           "CompressedPagedKVCache", "CacheFullError", "Capacity"]

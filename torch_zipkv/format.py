@@ -32,3 +32,11 @@ def blocks_per_stream(page_size: int, head_dim: int) -> int:
 def meta_words(page_size: int, head_dim: int) -> int:
     """int32 words of one meta row: the stream offset, then one descriptor byte per block, padded to a word."""
     return 1 + (blocks_per_stream(page_size, head_dim) + 3) // 4
+
+
+def raw_descriptor_words(page_size: int, head_dim: int) -> list[int]:
+    """Meta row words 1.. of a stream whose blocks are all raw (0x80 per block, zero padding), as int32 values.
+    With word 0 pointing at room for the raw stream, that row makes an open page that ``append_kv`` can fill."""
+    nb = blocks_per_stream(page_size, head_dim)
+    raw = bytes([DESC_RAW] * nb + [0] * (4 * (meta_words(page_size, head_dim) - 1) - nb))
+    return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]

@@ -1,0 +1,185 @@
+"""Capacity benchmark: how many 8K-token requests fit in a KV budget uncompressed vs in CompressedPagedKVCache, and
+the host time the cache spends per decode step.
+
+    python benchmarks/bench_capacity.py --out DIR      # Llama-3.1-8B shape, 80 GiB of KV; CPU or GPU, < 1 min
+
+Requests fit: an admission loop on a real cache. A request is 8192 tokens (prompt 7936 + 256 new, the budget
+add_sequence promises at raw size); while ``capacity(prompt, new).requests >= 1`` it is admitted, its prompt is
+prefilled in every layer and ``compress_full_pages()`` runs; "uncompressed" is the budget over the raw bytes of a
+request (a plain paged cache, no metadata). Every layer and KV head holds the same bytes per token, so the loop runs on
+``--sim-layers`` layers and ``--sim-heads`` heads with the budget and chunk size scaled by sim/model (same count,
+same chunk granularity), and all requests share one prompt's KV. Data: Gaussian ("random", ~0.76) and real-KV-like
+pages ("real_kv": each 16 x 128 stream is two 16 x 64 streams of SmolLM2-135M's KV over English text, from all 30
+layers, so every block is a real block; ~0.79; skipped without the model).
+
+Bookkeeping: ``--batch`` sequences of ``--context`` tokens in a cache of the model's layer count (1 KV head, d 64: the
+host work does not depend on heads or dims), then decode steps: per layer ``append`` (one token each) and
+``page_table``, then ``compress_full_pages()``. Reported (median over steps): host µs per step for all layers, the
+part spent inside the ``append_kv`` calls (the kernel on CPU, its launch on GPU: what any paged cache pays), the
+difference (the cache's bookkeeping), and ``compress_full_pages`` (on CPU it includes the compression itself; on GPU
+its one sync). Writes bench_capacity.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from torch_zipkv import CompressedPagedKVCache, ops
+
+GiB = 1 << 30
+
+
+def request_kv(kind: str, tokens: int, heads: int, head_dim: int, gen: torch.Generator):
+    """k, v bf16 [tokens, heads, head_dim] of one prompt: Gaussian, or pages rebuilt from SmolLM2's real streams."""
+    if kind == "random":
+        x = torch.randn(2, tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
+        return x[0], x[1]
+    from torch_zipkv import realkv
+
+    real = realkv.real_kv(2048, page_size=16)  # [30, 128, 2, 16, 3, 64]
+    half = real.shape[-1]
+    pages = tokens // 16
+    out = []
+    for kv in (0, 1):  # K streams from K, V streams from V
+        pool = real[:, :, kv].permute(0, 1, 3, 2, 4).reshape(-1, 16, half)  # every (layer, page, head) stream
+        idx = torch.randint(0, pool.shape[0], (pages, heads, head_dim // half), generator=gen)
+        s = pool[idx]  # [pages, heads, parts, 16, half]
+        out.append(s.permute(0, 3, 1, 2, 4).reshape(tokens, heads, head_dim).contiguous())
+    return out[0], out[1]
+
+
+def requests_that_fit(args, kind: str, compress: bool, device) -> dict:
+    scale = args.sim_layers / args.layers * args.sim_heads / args.kv_heads
+    cache = CompressedPagedKVCache(args.sim_layers, args.sim_heads, args.head_dim, device=device,
+                                   max_bytes=int(args.budget_gib * GiB * scale),
+                                   chunk_bytes=int(args.chunk_mib * (1 << 20) * args.sim_heads / args.kv_heads))
+    prompt = args.request_tokens - args.new_tokens
+    k, v = (t.to(device) for t in request_kv(kind, prompt, args.sim_heads, args.head_dim,
+                                              torch.Generator().manual_seed(0)))
+    admitted = 0
+    while cache.capacity(prompt, args.new_tokens).requests >= 1:
+        sid = cache.add_sequence(prompt, args.new_tokens)
+        for layer in range(args.sim_layers):
+            cache.append(layer, sid, k, v)
+        if compress:
+            cache.compress_full_pages()
+        admitted += 1
+    st = cache.stats()
+    return {"requests": admitted, "ratio": st["ratio"], "fragmentation": st["fragmentation"],
+            "arena_bytes": cache.data.numel(), "meta_bytes": st["meta_bytes"]}
+
+
+def bookkeeping(args, device) -> dict:
+    L, B = args.layers, args.batch
+    cache = CompressedPagedKVCache(L, 1, 64, device=device, chunk_bytes=1 << 20,
+                                   max_bytes=int(L * B * (args.context + args.steps + 64) * 256 * 1.05) + (64 << 20))
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, args.context, 1, 64, generator=gen).to(torch.bfloat16).to(device)
+    sids = [cache.add_sequence(args.context, args.steps + 16) for _ in range(B)]
+    for layer in range(L):
+        for i, sid in enumerate(sids):  # staggered lengths: pages fill on different steps, as in a real batch
+            cache.append(layer, sid, k[: args.context - i % 16], v[: args.context - i % 16])
+    cache.compress_full_pages()  # the prompts: prefill work, not timed
+    cache.compact()  # the open pages sit one per chunk after the prompts left their slots: gather them
+    kt = torch.randn(B, 1, 64, generator=gen).to(torch.bfloat16).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    in_op = [0.0]  # seconds spent inside the append_kv calls the cache makes: the kernel (CPU) or its launch (GPU)
+    append_kv = ops.append_kv
+
+    def timed_append_kv(*a):
+        t = time.perf_counter()
+        append_kv(*a)
+        in_op[0] += time.perf_counter() - t
+
+    step_s, op_s, compress_s = [], [], []
+    ops.append_kv = timed_append_kv
+    try:
+        for step in range(args.steps):
+            sync()
+            in_op[0] = 0.0
+            t0 = time.perf_counter()
+            for layer in range(L):
+                cache.append(layer, sids, kt, kt)
+                cache.page_table(layer, sids)
+            t1 = time.perf_counter()
+            cache.compress_full_pages()
+            compress_s.append(time.perf_counter() - t1)
+            step_s.append(t1 - t0)
+            op_s.append(in_op[0])
+    finally:
+        ops.append_kv = append_kv
+    med = lambda xs: statistics.median(xs[2:]) * 1e6  # noqa: E731  (first steps warm the memos)
+    book = [s - o for s, o in zip(step_s, op_s)]
+    return {"layers": L, "batch": B, "context": args.context, "steps": args.steps,
+            "append_and_page_table_us_per_step": med(step_s), "inside_append_kv_us_per_step": med(op_s),
+            "bookkeeping_us_per_step": med(book), "bookkeeping_us_per_layer": med(book) / L,
+            "compress_full_pages_us_per_step": med(compress_s)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=pathlib.Path)
+    p.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget of the whole model")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--sim-layers", type=int, default=1)
+    p.add_argument("--sim-heads", type=int, default=2)
+    p.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size at the model's shape")
+    p.add_argument("--request-tokens", type=int, default=8192)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=None, help="bookkeeping context (default 8192 on GPU, 2048 CPU)")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    args.context = args.context or (8192 if device.type == "cuda" else 2048)
+
+    raw_request = args.request_tokens * args.layers * args.kv_heads * args.head_dim * 2 * 2
+    result = {"command": "python " + " ".join(sys.argv), "device": str(device), "torch": torch.__version__,
+              "model": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
+              "budget_gib": args.budget_gib, "request_tokens": args.request_tokens, "new_tokens": args.new_tokens,
+              "simulated": {"layers": args.sim_layers, "kv_heads": args.sim_heads},
+              "uncompressed_requests": int(args.budget_gib * GiB // raw_request), "fit": {}}
+    print(f"{args.budget_gib:g} GiB of KV, {args.layers} layers x {args.kv_heads} KV heads x d {args.head_dim}, "
+          f"requests of {args.request_tokens} tokens ({raw_request / GiB:.2f} GiB raw each)")
+    print(f"  uncompressed paged cache: {result['uncompressed_requests']} requests")
+    for kind in ("random", "real_kv"):
+        t = time.perf_counter()
+        try:
+            fit = requests_that_fit(args, kind, True, device)
+        except (ModuleNotFoundError, FileNotFoundError) as e:
+            print(f"  {kind}: skipped ({e})")
+            continue
+        fit["gain"] = fit["requests"] / result["uncompressed_requests"]
+        result["fit"][kind] = fit
+        print(f"  zipkv, {kind:8s}: {fit['requests']} requests ({fit['gain']:.2f}x), stored/raw {fit['ratio']:.3f}, "
+              f"fragmentation {fit['fragmentation']:.3f} ({time.perf_counter() - t:.1f} s)")
+    fit = requests_that_fit(args, "random", False, device)
+    result["fit"]["never_compressed"] = fit
+    print(f"  zipkv, never compressed: {fit['requests']} requests (metadata and chunk rounding cost)")
+
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a 64-token append is too small to share; OpenMP barriers stall on a busy box
+    bk = bookkeeping(args, device)
+    result["bookkeeping"] = bk
+    print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}: "
+          f"append + page_table {bk['append_and_page_table_us_per_step']:.0f} µs/step, of which inside append_kv "
+          f"{bk['inside_append_kv_us_per_step']:.0f} µs -> bookkeeping {bk['bookkeeping_us_per_step']:.0f} µs "
+          f"({bk['bookkeeping_us_per_layer']:.1f} µs/layer); compress_full_pages "
+          f"{bk['compress_full_pages_us_per_step']:.0f} µs/step")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_capacity.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""CompressedPagedKVCache on CPU: decode vs the float64 reference, real KV, errors, full cache, in-place compression,
+compaction, and admission by capacity(). Random interleavings of all of these: test_cache_stateful.py."""
+
+import math
+
+import pytest
+import torch
+
+import torch_zipkv
+from torch_zipkv import CacheFullError, CompressedPagedKVCache, ops
+from torch_zipkv import format as fmt
+
+from cache_oracle import bits, check_accounting, check_contents, check_layout, decode_reference, rel_err, tokens
+
+H, D, P = 2, 64, 16
+PAGE_BYTES = 2 * P * H * D * 2
+
+
+def make(layers=2, chunks=16, chunk_pages=4, max_pages=256):
+    """A cache of exactly ``chunks`` chunks of ``chunk_pages`` raw pages each."""
+    id_bytes = layers * 2 * H * fmt.meta_words(P, D) * 4
+    cache = CompressedPagedKVCache(layers, H, D, page_size=P, device="cpu", chunk_bytes=chunk_pages * PAGE_BYTES,
+                                   max_bytes=chunks * chunk_pages * PAGE_BYTES + max_pages * id_bytes,
+                                   max_pages=max_pages)
+    assert cache._arena.num_chunks == chunks
+    return cache
+
+
+def fill(cache, kept, layer, sid, n, seed, kind=0):
+    k, v = tokens(seed, n, cache.num_kv_heads, cache.head_dim, kind)
+    cache.append(layer, sid, k, v)
+    old = kept.get((sid, layer))
+    kept[(sid, layer)] = (k, v) if old is None else (torch.cat([old[0], k]), torch.cat([old[1], v]))
+
+
+def check_all(cache, kept):
+    check_contents(cache, kept)
+    check_accounting(cache, kept, check_layout(cache, kept))
+
+
+def test_prefill_and_decode_steps_match_float64_reference(gen):
+    """Several sequences, GQA group 3, prefill then decode steps with compression between steps: every step's
+    attention (mixing compressed pages, full raw pages and open pages) matches float64 attention."""
+    cache = make(layers=2, chunks=32)
+    lens = [1, 16, 37, 70]
+    sids = [cache.add_sequence(n, 20) for n in lens]
+    kept = {}
+    for layer in range(2):
+        for i, (sid, n) in enumerate(zip(sids, lens)):
+            fill(cache, kept, layer, sid, n, seed=100 * layer + i)
+    compressed = 0
+    for step in range(20):
+        for layer in range(2):
+            k, v = tokens(1000 + 10 * step + layer, len(sids), H, D)
+            cache.append(layer, sids, k, v)
+            for b, sid in enumerate(sids):
+                old = kept[(sid, layer)]
+                kept[(sid, layer)] = (torch.cat([old[0], k[b: b + 1]]), torch.cat([old[1], v[b: b + 1]]))
+            q = torch.randn(len(sids), 3 * H, D, generator=gen).bfloat16()
+            lse = torch.empty(len(sids), 3 * H)
+            out = cache.decode(layer, q, sids, lse=lse)
+            ref = decode_reference(q, [kept[(s, layer)] for s in sids], P)
+            assert rel_err(out, ref) < 1e-2, f"step {step}, layer {layer}"
+        if step % 3 == 2:
+            compressed += cache.compress_full_pages()
+    assert compressed > 8
+    st = cache.stats()
+    assert 0.74 < st["ratio"] < 0.9  # Gaussian data: nearly every block compresses, open pages stay raw
+    check_all(cache, kept)
+
+
+def test_page_table_drives_paged_decode_and_sm_scale(gen):
+    cache = make()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    kept = {}
+    fill(cache, kept, 1, a, 50, 1)
+    fill(cache, kept, 1, b, 16, 2)
+    cache.compress_full_pages()
+    indptr, indices, last = cache.page_table(1, [b, a])
+    assert indptr.tolist() == [0, 1, 5] and last.tolist() == [16, 2] and indices.dtype == torch.int32
+    q = torch.randn(2, 2, D, generator=gen).bfloat16()
+    out = ops.paged_decode(q, cache.data, cache.meta(1), indptr, indices, last, P, sm_scale=0.3)
+    assert torch.equal(bits(out), bits(cache.decode(1, q, [b, a], sm_scale=0.3)))
+    ref = decode_reference(q, [kept[(b, 1)], kept[(a, 1)]], P, sm_scale=0.3)
+    assert rel_err(out, ref) < 1e-2
+    # Layer 0 holds nothing yet: no pages, and decode gives zeros (paged_decode's rule for empty requests).
+    assert cache.page_table(0, [a])[1].numel() == 0
+    assert torch.equal(cache.decode(0, q[:1], [a]), torch.zeros_like(q[:1]))
+
+
+def test_real_kv_stored_bytes_match_compress(real_kv):
+    """SmolLM2's KV through the cache: stored bytes equal torch_zipkv.compress on the same pages exactly (same
+    encoder, every page full), so the cache keeps the ratio the format measures (~0.79); contents come back exact."""
+    layers = [0, real_kv.shape[0] // 2, real_kv.shape[0] - 1]
+    kv = real_kv[layers, :64]  # [3, 64 pages, 2, 16, 3, 64]: 1024 tokens per layer
+    n, heads, head_dim = kv.shape[1], kv.shape[4], kv.shape[5]
+    page_bytes = 2 * P * heads * head_dim * 2
+    cache = CompressedPagedKVCache(3, heads, head_dim, device="cpu", max_bytes=3 * n * page_bytes + (4 << 20),
+                                   chunk_bytes=16 * page_bytes)
+    sid = cache.add_sequence(n * P)
+    kept = {}
+    for layer in range(3):
+        k, v = (kv[layer, :, i].reshape(n * P, heads, head_dim) for i in (0, 1))
+        for at in range(0, n * P, 300):  # prefill in chunks that straddle pages
+            cache.append(layer, sid, k[at: at + 300], v[at: at + 300])
+        kept[(sid, layer)] = (k, v)
+    assert cache.compress_full_pages() == 3 * n
+    st = cache.stats()
+    for layer in range(3):
+        ckv = torch_zipkv.compress(kv[layer])
+        assert st["layers"][layer]["stored_bytes"] == ckv.data.numel()
+    assert 0.76 < st["ratio"] < 0.82
+    check_all(cache, kept)
+    q = kv[1, :1, 0, 5].repeat_interleave(3, dim=1).contiguous()  # real queries: K rows, GQA group 3
+    out = cache.decode(2, q, [sid])
+    assert rel_err(out, decode_reference(q, [kept[(sid, 2)]], P)) < 1e-2
+
+
+def test_bad_arguments_raise_clear_errors():
+    cache = make()
+    sid = cache.add_sequence()
+    k, v = tokens(0, 3, H, D)
+    with pytest.raises(TypeError, match="k must be bfloat16"):
+        cache.append(0, sid, k.float(), v)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+        cache.append(0, sid, k, v.tolist())
+    with pytest.raises(ValueError, match=r"k must be \[n, 2, 64\]"):
+        cache.append(0, sid, k[:, :1], v)
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        cache.append(0, sid, k, v[:2])
+    with pytest.raises(ValueError, match="k must be on cpu, got meta"):
+        cache.append(0, sid, k.to("meta"), v)
+    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 2\)"):
+        cache.append(2, sid, k, v)
+    with pytest.raises(KeyError, match="seq_id 99 is not a running sequence"):
+        cache.append(0, 99, k, v)
+    other = cache.add_sequence()
+    with pytest.raises(ValueError, match="seq_ids has 2 ids for 3 tokens"):
+        cache.append(0, [sid, other], k, v)
+    with pytest.raises(ValueError, match="seq_ids repeats a sequence"):
+        cache.append(0, [sid, other, sid], k, v)
+    with pytest.raises(ValueError, match=r"q must be bf16 \[batch, k \* 2, 64\]"):
+        cache.decode(0, torch.zeros(1, 3, D, dtype=torch.bfloat16), [sid])
+    with pytest.raises(ValueError, match="q has 2 rows for 1 sequences"):
+        cache.decode(0, torch.zeros(2, 2, D, dtype=torch.bfloat16), [sid])
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+        cache.add_sequence(4, -1)
+    with pytest.raises(ValueError, match="exactly one of max_bytes and memory_fraction"):
+        CompressedPagedKVCache(1, H, D, device="cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        CompressedPagedKVCache(1, H, D, device="cpu", memory_fraction=0.5)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        CompressedPagedKVCache(1, H, 96, device="cpu", max_bytes=1 << 20)
+    cache.free_sequence(sid)
+    with pytest.raises(KeyError, match="is not a running sequence"):
+        cache.gather(0, sid)
+    assert cache.seq_ids == [other]
+
+
+def test_byte_budget_holds_arena_and_meta():
+    for max_bytes in (1 << 20, 3 << 20, 10 << 20):
+        cache = CompressedPagedKVCache(4, H, D, device="cpu", max_bytes=max_bytes, chunk_bytes=64 << 10)
+        used = cache.data.numel() + cache.stats()["meta_bytes"]
+        assert max_bytes - cache.chunk_bytes - cache._meta[:, 0].numel() * 4 < used <= max_bytes
+        # Enough page ids for an arena of all-compressed pages spread over the layers.
+        assert cache._meta.shape[1] * 4 * 3 / 4 * cache.page_bytes >= cache.data.numel()
+
+
+def check_capacity_is_kept_and_tight(cache, kept, reserve=0):
+    """capacity().pages = n: a sequence of n pages can be admitted and filled in every layer, after which every
+    running sequence can still grow by ``reserve`` tokens in every layer; a sequence of n + 1 pages is refused.
+    requests: that many add_sequence calls succeed, one more fails. Undoes what it adds."""
+    n = cache.capacity(reserve=reserve).pages
+    if not reserve:
+        with pytest.raises(CacheFullError):
+            cache.add_sequence((n + 1) * P)
+    probe = cache.add_sequence(n * P)
+    probe_kept = {}
+    running = [s for s, _ in kept if s != probe]
+    for layer in range(cache.num_layers):
+        fill(cache, probe_kept, layer, probe, n * P, layer)
+        for sid in set(running):
+            if reserve:
+                fill(cache, kept, layer, sid, reserve, 7 * sid + layer)
+    cache.free_sequence(probe)
+    cap = cache.capacity(40, 9)  # 4 pages per request
+    assert cap.requests == cap.pages // 4
+    sids = [cache.add_sequence(40, 9) for _ in range(cap.requests)]
+    with pytest.raises(CacheFullError):
+        cache.add_sequence(40, 9)
+    for sid in sids:
+        cache.free_sequence(sid)
+
+
+def test_capacity_counts_raw_pages_keeps_promises_and_is_tight():
+    cache = make(layers=3, chunks=10, chunk_pages=4)  # 10 chunks over 3 layers: 3 chunks of 4 pages each
+    assert cache.capacity(30, 2) == torch_zipkv.Capacity(pages=12, tokens=192, requests=6)
+    kept = {}
+    check_capacity_is_kept_and_tight(cache, kept)
+    sid = cache.add_sequence(40, 0)  # promises 3 pages in every layer
+    assert cache.capacity().pages == 9
+    fill(cache, kept, 0, sid, 40, 0)  # uses layer 0's promise: nothing changes
+    assert cache.capacity().pages == 9
+    check_capacity_is_kept_and_tight(cache, kept)
+    other = cache.add_sequence()
+    fill(cache, kept, 1, other, 17, 1)  # 2 pages beyond any promise, in layer 1 only
+    for reserve in (0, 20, 49):
+        check_capacity_is_kept_and_tight(cache, kept, reserve)
+    assert cache.capacity(reserve=1000).pages == 0
+    check_all(cache, kept)
+    cache.free_sequence(sid)
+    cache.free_sequence(other)
+    assert cache.capacity().pages == 12
+
+
+def test_full_cache_error_is_recoverable_and_freed_room_serves_any_layer():
+    cache = make(layers=2, chunks=6, chunk_pages=2)
+    kept = {}
+    a = cache.add_sequence()
+    fill(cache, kept, 0, a, 6 * 2 * P, 0)  # every chunk, all in layer 0
+    assert cache.stats()["free_chunks"] == 0
+    b = cache.add_sequence()
+    before = cache.stats()
+    with pytest.raises(CacheFullError, match=r"append to layer 1: needs 1 new raw pages.*only 0 can be taken") as e:
+        cache.append(1, b, *tokens(1, 1, H, D))
+    assert (e.value.requested, e.value.free, e.value.unit) == (1, 0, "pages") and isinstance(e.value, RuntimeError)
+    with pytest.raises(CacheFullError, match="a budget of 16 tokens needs 1 raw pages in every layer"):
+        cache.add_sequence(16)
+    assert cache.stats() == before
+    check_all(cache, kept | {(b, 1): (torch.empty(0, H, D, dtype=torch.bfloat16),) * 2})
+    cache.free_sequence(a)
+    kept = {}
+    fill(cache, kept, 1, b, 6 * 2 * P, 2)  # layer 1 now takes every chunk
+    check_all(cache, kept)
+
+
+def test_compression_in_place_when_no_packed_room_then_compaction_packs(gen):
+    """Promises hold every pool chunk: full pages are compressed inside their own slots (meta rows rewritten there);
+    once room frees up, compact() moves them into a packed chunk and the slots' chunk goes back to the pool."""
+    cache = make(layers=1, chunks=3, chunk_pages=4)
+    kept = {}
+    a = cache.add_sequence(4 * P)
+    fill(cache, kept, 0, a, 4 * P, 0)  # one slot chunk, full
+    hog = cache.add_sequence(8 * P)  # promises the other two chunks
+    assert cache.stats()["free_chunks"] == 2 and cache.capacity().pages == 0
+    assert cache.compress_full_pages() == 4
+    layer = cache.stats()["layers"][0]
+    assert layer["packed_chunks"] == 0 and layer["slot_chunks"] == 1 and layer["stored_bytes"] < 4 * PAGE_BYTES
+    check_all(cache, kept)
+    q = torch.randn(1, H, D, generator=gen).bfloat16()
+    assert rel_err(cache.decode(0, q, [a]), decode_reference(q, [kept[(a, 0)]], P)) < 1e-2
+    cache.free_sequence(hog)
+    assert cache.compact() == layer["stored_bytes"]
+    layer = cache.stats()["layers"][0]
+    assert layer["packed_chunks"] == 1 and layer["slot_chunks"] == 0 and cache.stats()["free_chunks"] == 2
+    check_all(cache, kept)
+
+
+def test_compaction_gathers_scattered_free_room_into_whole_chunks():
+    cache = make(layers=2, chunks=24, chunk_pages=4)
+    kept = {}
+    sids = [cache.add_sequence() for _ in range(8)]
+    for rnd in range(4):  # interleave sequences so each chunk holds pages of several
+        for layer in range(2):
+            for i, sid in enumerate(sids):
+                fill(cache, kept, layer, sid, P + 5 * (i % 3), 100 * rnd + 10 * layer + i)
+        cache.compress_full_pages()
+    for sid in sids[::2]:
+        cache.free_sequence(sid)
+        for layer in range(2):
+            del kept[(sid, layer)]
+    before = cache.stats()
+    assert before["fragmentation"] > 0.4
+    moved = cache.compact()
+    after = cache.stats()
+    assert moved > 0 and after["free_chunks"] > before["free_chunks"]
+    used = sum(math.ceil(x["stored_bytes"] / cache.chunk_bytes) for x in after["layers"])
+    assert after["num_chunks"] - after["free_chunks"] <= used + 2 * 2  # at most one spare slot and packed chunk each
+    assert after["fragmentation"] < before["fragmentation"]
+    check_all(cache, kept)
+    assert cache.compact() == 0  # nothing left to gain
+
+
+def run_scheduler(cache, gen, compress: bool, steps: int = 60) -> int:
+    """A continuous-batching loop whose admission trusts capacity(): admit while a request fits, prefill it, decode
+    the batch one token per step, free finished requests. Returns the most requests that ran at once. Any
+    CacheFullError fails the test."""
+    running, peak, kept = {}, 0, {}
+    for step in range(steps):
+        while True:
+            prompt, new = int(torch.randint(20, 90, (1,), generator=gen)), int(torch.randint(5, 40, (1,), generator=gen))
+            if cache.capacity(prompt, new).requests < 1:
+                break
+            sid = cache.add_sequence(prompt, new)
+            for layer in range(cache.num_layers):
+                fill(cache, kept, layer, sid, prompt, int(torch.randint(0, 2**31, (1,), generator=gen)),
+                     kind=step % 2)
+            running[sid] = new
+            if compress:
+                cache.compress_full_pages()
+        peak = max(peak, len(running))
+        sids = list(running)
+        for layer in range(cache.num_layers):
+            k, v = tokens(step * 7 + layer, len(sids), H, D)
+            cache.append(layer, sids, k, v)
+            for b, sid in enumerate(sids):
+                old = kept[(sid, layer)]
+                kept[(sid, layer)] = (torch.cat([old[0], k[b: b + 1]]), torch.cat([old[1], v[b: b + 1]]))
+        if compress:
+            cache.compress_full_pages()
+            if step % 10 == 9:
+                cache.compact()
+        for sid in sids:
+            running[sid] -= 1
+            if running[sid] == 0:
+                del running[sid]
+                cache.free_sequence(sid)
+                for layer in range(cache.num_layers):
+                    del kept[(sid, layer)]
+    check_all(cache, kept)
+    return peak
+
+
+def test_admission_by_capacity_never_runs_out_and_compression_admits_more():
+    seed = 1234
+    peaks = [run_scheduler(make(layers=2, chunks=40, chunk_pages=4), torch.Generator().manual_seed(seed), c)
+             for c in (False, True)]
+    assert peaks[1] > peaks[0], f"compression did not turn saved bytes into more concurrent requests: {peaks}"

@@ -1,0 +1,580 @@
+"""CompressedPagedKVCache: a paged BF16 KV cache kept losslessly compressed in one byte arena on any device.
+
+How it is put together (DESIGN.md §3, memory manager):
+- A page holds ``page_size`` tokens. A page id names the same token range of a sequence in every layer, so one page
+  table serves all layers of a decode step. Each layer has its own meta tensor ``[max_pages, 2, H, W]`` (a view of one
+  ``[layers, ...]`` tensor) whose rows point into the shared arena ``data``.
+- Where a page's bytes live is the arena's business (``torch_zipkv/arena.py``, host only). Moving a page copies its
+  bytes and rewrites word 0 of its meta rows, so page ids and page tables never change.
+- Open pages are raw slots that ``append_kv`` writes into. Full pages stay raw until ``compress_full_pages()``, called
+  between decode steps (after the attention that read them), compresses them into packed chunks and frees the slots.
+- Sequences are charged their token budget at raw size when added (the arena's promises), so a sequence admitted by
+  ``add_sequence`` / ``capacity()`` can always grow to its budget; compression only ever gives bytes back.
+- Decode steps cost the host a few dict lookups and small numpy ops per layer: the token -> (page, slot) plan and the
+  page table are built once per step and reused by every layer, and nothing waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from . import ops
+from .arena import Arena
+
+_MiB = 1 << 20
+_COMPRESS_ROUND_BYTES = 256 * _MiB  # raw bytes compressed per round: bounds the temporary pages and scratch
+_MEMO = 8  # plans / page tables remembered (one step needs one of each; a few spare for interleaved batches)
+
+
+class CacheFullError(RuntimeError):
+    """The cache cannot hold what was asked, and nothing was changed. ``requested`` and ``free`` count ``unit``
+    (raw pages of one layer, or page ids) so a scheduler can act on them."""
+
+    def __init__(self, message: str, *, requested: int, free: int, unit: str):
+        super().__init__(message)
+        self.requested, self.free, self.unit = requested, free, unit
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What still fits, charged at raw size, after keeping room for every running sequence's budget."""
+
+    pages: int  # new pages every layer can take
+    tokens: int  # pages * page_size: tokens one new sequence could hold
+    requests: int  # sequences of the asked prompt_len + max_new_tokens that add_sequence would admit now
+
+
+class _Seq:
+    __slots__ = ("row", "pages", "num_ids", "budget")
+
+    def __init__(self, row: int, budget: int):
+        self.row, self.budget, self.num_ids = row, budget, 0  # budget: pages promised in every layer
+        self.pages = np.empty(max(8, budget), dtype=np.int32)  # page ids in token order; grows by doubling
+
+    def push(self, page: int) -> None:
+        if self.num_ids == len(self.pages):
+            self.pages = np.concatenate([self.pages, np.empty_like(self.pages)])
+        self.pages[self.num_ids] = page
+        self.num_ids += 1
+
+
+@dataclass
+class _Batch:
+    key: tuple
+    seqs: list
+    rows: np.ndarray
+
+
+@dataclass
+class _Plan:
+    """One append, the same for every layer that starts at the same lengths (so built once per step)."""
+
+    end: np.ndarray  # lengths after the append
+    new: list  # (batch index, page index) of pages whose first token this append writes
+    filled: list  # (batch index, page index) of pages this append completes
+    seq_index: np.ndarray  # batch index of each token
+    pos: np.ndarray  # position of each token in its sequence
+    page_ids: torch.Tensor | None = None  # on the device, once the pages have ids
+    slots: torch.Tensor | None = None
+    filled_ids: list | None = None
+
+
+def _remember(memo: dict, key, value) -> None:
+    if len(memo) >= _MEMO:
+        del memo[next(iter(memo))]
+    memo[key] = value
+
+
+class CompressedPagedKVCache:
+    """A paged BF16 KV cache for ``num_layers`` layers of ``num_kv_heads`` x ``head_dim``, kept losslessly
+    compressed (docs/FORMAT.md) within ``max_bytes`` (or ``memory_fraction`` of the free GPU memory).
+
+    Typical use, per request and step::
+
+        sid = cache.add_sequence(prompt_len=len(prompt), max_new_tokens=256)  # CacheFullError if it can't fit
+        for layer in ...: cache.append(layer, sid, k, v)                # prefill: k, v bf16 [tokens, H, D]
+        cache.compress_full_pages()                                      # between steps
+        for layer in ...:                                                # decode step of a batch
+            cache.append(layer, seq_ids, k, v)                           # one token per sequence: [batch, H, D]
+            out = cache.decode(layer, q, seq_ids)                        # q bf16 [batch, Hq, D]
+        cache.compress_full_pages()
+        cache.free_sequence(sid)
+
+    ``capacity(prompt_len, max_new_tokens)`` says how many such requests fit now. ``page_table(layer, seq_ids)``
+    gives FlashInfer-style ``(kv_indptr, kv_indices, kv_last_page_len)`` for ``ops.paged_decode`` on ``data`` and
+    ``meta(layer)``. The byte budget covers ``data`` and the meta tensor; compression and compaction also use
+    short-lived temporaries outside it (at most ~2 x 256 MiB, or one chunk).
+
+    Args:
+        page_size: tokens per page (a multiple of 16).
+        chunk_bytes: arena chunk size, rounded down to whole raw pages (at least one).
+        max_pages: page ids per layer (meta rows). Default: enough for the whole arena compressed.
+        device: default CUDA if available, else CPU.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,
+                 max_bytes: int | None = None, memory_fraction: float | None = None, device=None,
+                 chunk_bytes: int = 4 * _MiB, max_pages: int | None = None):
+        fmt.check_geometry(page_size, head_dim)
+        if num_layers < 1 or num_kv_heads < 1:
+            raise ValueError(f"num_layers and num_kv_heads must be >= 1, got {num_layers} and {num_kv_heads}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if (max_bytes is None) == (memory_fraction is None):
+            raise ValueError("give exactly one of max_bytes and memory_fraction")
+        if memory_fraction is not None:
+            if device.type != "cuda" or not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction must be in (0, 1] and needs a CUDA device, got {memory_fraction} "
+                                 f"on {device}")
+            max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
+
+        self.num_layers, self.num_kv_heads, self.head_dim, self.page_size = num_layers, num_kv_heads, head_dim, \
+            page_size
+        self.device = device
+        self.page_bytes = 2 * page_size * num_kv_heads * head_dim * 2  # one page of one layer, raw
+        self.chunk_bytes = max(1, chunk_bytes // self.page_bytes) * self.page_bytes
+        W = fmt.meta_words(page_size, head_dim)
+        id_bytes = num_layers * 2 * num_kv_heads * W * 4  # meta of one page id, all layers
+        if max_pages is None:  # ids enough for a full arena of all-compressed pages (3/4 of raw, the least)
+            per_byte = 1 / (num_layers * self.page_bytes * 3 / 4)
+            num_chunks = int(max_bytes / (1 + id_bytes * per_byte)) // self.chunk_bytes
+            max_pages = math.ceil(num_chunks * self.chunk_bytes * per_byte)
+        num_chunks = (max_bytes - max_pages * id_bytes) // self.chunk_bytes
+        if num_chunks < 1 or max_pages < 1:
+            raise ValueError(f"max_bytes = {max_bytes} holds no chunk of {self.chunk_bytes} bytes plus the meta of "
+                             f"{max_pages} pages ({id_bytes} bytes each)")
+        if num_chunks * self.chunk_bytes >= fmt.STREAM_ALIGN << 31:
+            raise ValueError("the arena would pass the format's 512 GiB offset limit")
+
+        self.data = torch.zeros(num_chunks * self.chunk_bytes, dtype=torch.uint8, device=device)
+        self._meta = torch.full((num_layers, max_pages, 2, num_kv_heads, W), fmt.NO_STREAM, dtype=torch.int32,
+                                device=device)
+        self._meta_views = list(self._meta)  # meta(layer) without an indexing op per call
+        self._arena = Arena(num_layers, max_pages, num_chunks, self.chunk_bytes, self.page_bytes)
+        # Meta rows of an open page at offset 0: stream (K|V, head) starts at (kv * H + head) * stream bytes.
+        stream_units = page_size * head_dim * 2 // fmt.STREAM_ALIGN
+        self._raw_rows = np.empty((2, num_kv_heads, W), dtype=np.int32)
+        self._raw_rows[..., 1:] = fmt.raw_descriptor_words(page_size, head_dim)
+        self._raw_rows[..., 0] = np.arange(2 * num_kv_heads).reshape(2, num_kv_heads) * stream_units
+        self._word0 = (np.arange(self._raw_rows.size) % W == 0).astype(np.int64)  # flat row positions of word 0
+
+        self._seqs: dict[int, _Seq] = {}
+        self._next_seq_id = 0
+        self._len = np.zeros((16, num_layers), dtype=np.int64)  # tokens per (sequence row, layer)
+        self._free_rows = list(range(15, -1, -1))
+        self._free_ids = list(range(max_pages - 1, -1, -1))
+        self._reserved_ids = 0  # page ids promised to running sequences
+        self._full: list[dict[int, None]] = [{} for _ in range(num_layers)]  # full raw pages, in fill order
+        self._batches: dict = {}
+        self._plans: dict = {}
+        self._tables: dict = {}
+
+    # ---- sequences --------------------------------------------------------------------------------------------
+    def add_sequence(self, prompt_len: int = 0, max_new_tokens: int = 0) -> int:
+        """Start a sequence and return its id. Its budget, ``prompt_len + max_new_tokens`` tokens, is reserved at raw
+        size in every layer, so appends within it never fail; appends past it take free room if any. Raises
+        CacheFullError if the budget does not fit now (see :meth:`capacity`)."""
+        for name, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        budget = -(-(prompt_len + max_new_tokens) // self.page_size)
+        if budget:
+            free = self.capacity().pages
+            if budget > free:
+                raise CacheFullError(
+                    f"add_sequence: a budget of {prompt_len + max_new_tokens} tokens needs {budget} raw pages in "
+                    f"every layer, but only {free} can be promised now ({self._describe_free()})",
+                    requested=budget, free=free, unit="pages per layer")
+        if not self._free_rows:
+            old = len(self._len)
+            self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        seq = _Seq(self._free_rows.pop(), budget)
+        self._len[seq.row] = 0
+        for layer in range(self.num_layers):
+            self._arena.reserved[layer] += budget
+        self._reserved_ids += budget
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        self._seqs[seq_id] = seq
+        return seq_id
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop a sequence and its unused budget. Chunks that empty go back to the shared pool at once (for any
+        layer); room freed inside chunks that stay in use comes back with :meth:`compact`."""
+        seq = self._seq(seq_id)
+        for layer in range(self.num_layers):
+            pages = -(-int(self._len[seq.row, layer]) // self.page_size)
+            self._arena.remove(layer, seq.pages[:pages].tolist())
+            self._arena.reserved[layer] -= max(0, seq.budget - pages)
+            for p in seq.pages[:pages].tolist():
+                self._full[layer].pop(p, None)
+        ids = seq.pages[: seq.num_ids]
+        if len(ids):
+            self._meta[:, self._tensor(ids.astype(np.int64))] = fmt.NO_STREAM  # stale ids now fail loudly
+        self._zero_dirty()
+        self._free_ids.extend(ids.tolist())
+        self._reserved_ids -= max(0, seq.budget - seq.num_ids)
+        self._free_rows.append(seq.row)
+        del self._seqs[seq_id]
+        self._batches.clear()
+        self._plans.clear()
+        self._tables.clear()
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """Ids of the running sequences."""
+        return list(self._seqs)
+
+    def seq_len(self, seq_id: int, layer: int = 0) -> int:
+        """Tokens appended to ``seq_id`` in ``layer``."""
+        self._check_layer(layer)
+        return int(self._len[self._seq(seq_id).row, layer])
+
+    # ---- append and decode --------------------------------------------------------------------------------------
+    def append(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append tokens to ``layer``: ``k``, ``v`` bf16 [n, num_kv_heads, head_dim] on the cache's device.
+
+        ``seq_ids`` is one id (all n tokens go to that sequence, e.g. a prefill chunk) or n distinct ids (one token
+        each, e.g. a decode step). New pages open raw; raises CacheFullError, changing nothing, if they don't fit.
+        """
+        self._check_layer(layer)
+        n = self._check_tokens(k, v)
+        single = isinstance(seq_ids, (int, np.integer))
+        batch = self._batch(seq_ids)
+        if not single and len(batch.seqs) != n:
+            raise ValueError(f"seq_ids has {len(batch.seqs)} ids for {n} tokens: give one id per token, or a single "
+                             "id for all")
+        if n == 0:
+            return
+        start = self._len[batch.rows, layer]
+        key = (batch.key, single, n, start.tobytes())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(batch, start, np.array([n]) if single else np.ones(n, dtype=np.int64))
+            _remember(self._plans, key, plan)
+        self._open_pages(layer, batch, plan)
+        if plan.page_ids is None:  # every page of the plan has an id now
+            ids = np.fromiter((batch.seqs[i].pages[p] for i, p in zip(plan.seq_index.tolist(),
+                                                                       (plan.pos // self.page_size).tolist())),
+                              dtype=np.int32, count=n)
+            plan.page_ids = self._tensor(ids)
+            plan.slots = self._tensor((plan.pos % self.page_size).astype(np.int32))
+            plan.filled_ids = [int(batch.seqs[i].pages[p]) for i, p in plan.filled]
+        ops.append_kv(k.contiguous(), v.contiguous(), plan.page_ids, plan.slots, self.page_size, self.data,
+                      self.meta(layer))
+        self._len[batch.rows, layer] = plan.end
+        self._full[layer].update(dict.fromkeys(plan.filled_ids))
+
+    def page_table(self, layer: int, seq_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashInfer page table of ``seq_ids`` in ``layer``: int32 ``kv_indptr [B+1]``, ``kv_indices [nnz]``,
+        ``kv_last_page_len [B]`` (0 for a sequence with no tokens in the layer), on the cache's device."""
+        self._check_layer(layer)
+        batch = self._batch(seq_ids)
+        lens = self._len[batch.rows, layer]
+        key = (batch.key, lens.tobytes())
+        table = self._tables.get(key)
+        if table is None:
+            pages = -(-lens // self.page_size)
+            indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+            np.cumsum(pages, out=indptr[1:])
+            indices = np.concatenate([s.pages[:p] for s, p in zip(batch.seqs, pages.tolist())] +
+                                     [np.empty(0, dtype=np.int32)])
+            last = np.where(lens > 0, (lens - 1) % self.page_size + 1, 0).astype(np.int32)
+            table = (self._tensor(indptr), self._tensor(indices), self._tensor(last))
+            _remember(self._tables, key, table)
+        return table
+
+    def decode(self, layer: int, q: torch.Tensor, seq_ids, *, sm_scale: float | None = None,
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of ``q`` (bf16 [B, num_qo_heads, head_dim], one query per sequence) over the tokens of
+        ``seq_ids`` in ``layer``; see :func:`torch_zipkv.ops.paged_decode`."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != self.head_dim or \
+                q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"q must be bf16 [batch, k * {self.num_kv_heads}, {self.head_dim}], got {q.dtype} "
+                             f"{tuple(q.shape)}")
+        if q.device != self.device:
+            raise ValueError(f"q must be on {self.device}, got {q.device}")
+        indptr, indices, last = self.page_table(layer, seq_ids)
+        if q.shape[0] != len(indptr) - 1:
+            raise ValueError(f"q has {q.shape[0]} rows for {len(indptr) - 1} sequences")
+        return ops.paged_decode(q, self.data, self.meta(layer), indptr, indices, last, self.page_size, sm_scale,
+                                out, lse)
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of ``seq_id`` in ``layer`` as bf16 ``k, v`` [tokens, num_kv_heads, head_dim], bit-identical
+        to what was appended (for debugging, offload and tests)."""
+        self._check_layer(layer)
+        seq = self._seq(seq_id)
+        length = int(self._len[seq.row, layer])
+        n = -(-length // self.page_size)
+        ids = self._tensor(seq.pages[:n].copy())
+        pages = ops.decompress_pages(self.data, self.meta(layer), ids, self.page_size, self.head_dim)
+        k, v = (pages[:, i].reshape(n * self.page_size, self.num_kv_heads, self.head_dim)[:length] for i in (0, 1))
+        return k, v
+
+    def meta(self, layer: int) -> torch.Tensor:
+        """Meta rows of ``layer``: int32 [max_pages, 2, num_kv_heads, W], for ops on ``data``."""
+        return self._meta_views[layer]
+
+    # ---- maintenance between steps ------------------------------------------------------------------------------
+    def compress_full_pages(self) -> int:
+        """Compress every full page still stored raw and return how many. Call it between decode steps (after the
+        attention that read those pages). Pages go to packed chunks, freeing their slots; when no packed room can be
+        taken without breaking a promise, a page is compressed in place in its own slot (after one huge compression,
+        e.g. all layers of a long prefill at once, the last layers may end up so; :meth:`compact` packs them). One
+        device sync per round of up to 256 MiB of pages."""
+        todo = [(layer, list(full)) for layer, full in enumerate(self._full) if full]
+        limit = max(1, _COMPRESS_ROUND_BYTES // self.page_bytes)
+        done = 0
+        while todo:
+            group, count = [], 0
+            while todo and count < limit:
+                layer, pages = todo[0]
+                take = pages[: limit - count]
+                group.append((layer, take))
+                count += len(take)
+                todo[0] = (layer, pages[len(take):])
+                if not todo[0][1]:
+                    todo.pop(0)
+            self._compress(group)
+            done += count
+        # Slots the pages left are scattered among open pages (after a prefill, one open page per chunk): drain
+        # layers holding more than one spare slot chunk, so the room returns to the pool for any layer.
+        self._apply(lambda layer: self._arena.drain_slots(layer, slack=1))
+        return done
+
+    def _compress(self, group: list[tuple[int, list[int]]]) -> None:
+        """Compress pages into a scratch buffer (room for all of them raw, so it cannot overflow), read back where
+        each page's streams start (the one sync), place them, copy them there and shift their meta rows."""
+        R = self.page_bytes
+        scratch = torch.empty(sum(len(p) for _, p in group) * R, dtype=torch.uint8, device=self.device)
+        bases = np.cumsum([0] + [len(p) * R for _, p in group])
+        cursors = self._tensor(np.stack([np.zeros(len(group), np.int64), bases[1:] - bases[:-1]], 1))
+        heads = []
+        for g, (layer, pages) in enumerate(group):
+            ids = self._tensor(np.array(pages, dtype=np.int32))
+            kv = ops.decompress_pages(self.data, self.meta(layer), ids, self.page_size, self.head_dim)
+            ops.compress_pages(kv, ids, scratch[bases[g]: bases[g + 1]], self.meta(layer), cursors[g])
+            heads.append(self.meta(layer)[ids, 0, 0, 0])  # word 0 of (K, head 0): where the page's streams start
+        back = torch.cat(heads + [cursors[:, 0].to(torch.int32)]).cpu().numpy().astype(np.int64)
+        src, dst, sizes, shift, layers, pids = [], [], [], [], [], []
+        at = 0
+        for g, (layer, pages) in enumerate(group):
+            starts = back[at: at + len(pages)] * fmt.STREAM_ALIGN  # within this layer's part of scratch
+            at += len(pages)
+            size = np.diff(np.append(starts, back[len(back) - len(group) + g]))
+            offsets = np.array(self._arena.repack(layer, pages, size.tolist()), dtype=np.int64)
+            src.append(bases[g] + starts)
+            dst.append(offsets)
+            sizes.append(size)
+            shift.append((offsets - starts) // fmt.STREAM_ALIGN)
+            layers += [layer] * len(pages)
+            pids += pages
+            for p in pages:
+                del self._full[layer][p]
+        self._copy(np.concatenate(dst), np.concatenate(src), np.concatenate(sizes), scratch)
+        self._shift_rows(np.array(layers), np.array(pids), np.concatenate(shift))
+        self._zero_dirty()  # the slots the pages left
+
+    def compact(self) -> int:
+        """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
+        slots move to packed room, sparse slot chunks drain into others, packed chunks close their holes and the
+        sparsest empty into the others' tails. Returns the bytes moved. Between steps; no device sync."""
+        return self._apply(self._arena.compaction)
+
+    def _apply(self, plan) -> int:
+        """Carry out the arena's move batches ``plan(layer)`` for every layer; returns the bytes moved."""
+        moved = 0
+        for layer in range(self.num_layers):
+            for batch in plan(layer):
+                if not batch:
+                    continue
+                pids, old, new, size = (np.array(x, dtype=np.int64) for x in zip(*batch))
+                self._copy(new, old, size, self.data)
+                self._shift_rows(np.full_like(pids, layer), pids, (new - old) // fmt.STREAM_ALIGN)
+                moved += int(size.sum())
+        self._zero_dirty()  # after all copies: a freed slot may have been a source
+        return moved
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, source: torch.Tensor) -> None:
+        """data[dst[i] : dst[i] + nbytes[i]] = source[src[i] : ...] for all i at once, in 256-byte units (every offset
+        and size is a multiple). All sources are read before any destination is written."""
+        units = nbytes // fmt.STREAM_ALIGN
+        total = int(units.sum())
+        if total == 0:
+            return
+        within = np.arange(total) - np.repeat(np.cumsum(units) - units, units)
+        dst_idx = self._tensor(np.repeat(dst // fmt.STREAM_ALIGN, units) + within)
+        src_idx = self._tensor(np.repeat(src // fmt.STREAM_ALIGN, units) + within)
+        self.data.view(-1, fmt.STREAM_ALIGN)[dst_idx] = source.view(-1, fmt.STREAM_ALIGN)[src_idx]
+
+    def _zero_dirty(self) -> None:
+        ranges = self._arena.take_dirty()
+        if ranges:
+            R = self.page_bytes
+            idx = np.concatenate([np.arange(off // R, (off + n) // R) for off, n in ranges])
+            self.data.view(-1, R)[self._tensor(idx)] = 0
+
+    def _shift_rows(self, layers: np.ndarray, pids: np.ndarray, units: np.ndarray) -> None:
+        """Add ``units`` to word 0 of every meta row of (layer, page): the page's streams moved that far."""
+        layers_t, pids_t = self._tensor(layers.astype(np.int64)), self._tensor(pids.astype(np.int64))
+        shift = self._tensor(units.astype(np.int32))[:, None, None]
+        self._meta[layers_t, pids_t, :, :, 0] += shift
+
+    # ---- accounting ------------------------------------------------------------------------------------------
+    def capacity(self, prompt_len: int = 0, max_new_tokens: int = 0, *, reserve: int = 0) -> Capacity:
+        """What fits now, charging new pages at raw size (they must take writes before they compress) and keeping
+        every running sequence's budget. ``requests`` counts sequences of ``prompt_len + max_new_tokens`` tokens
+        that :meth:`add_sequence` would admit now, one after another. ``reserve`` keeps room for that many more
+        tokens of every running sequence beyond its pages and budget (for sequences added without a budget).
+        Bytes that compression will free later are never promised."""
+        extra, extra_ids = np.zeros(self.num_layers, dtype=np.int64), 0
+        if reserve and self._seqs:
+            seqs = list(self._seqs.values())
+            lens = self._len[[s.row for s in seqs]]
+            budget = np.array([s.budget for s in seqs])[:, None]
+            want = -(-(lens + reserve) // self.page_size)
+            extra = np.maximum(0, want - np.maximum(-(-lens // self.page_size), budget)).sum(0)
+            have_ids = np.maximum([s.num_ids for s in seqs], budget[:, 0])
+            extra_ids = int(np.maximum(0, want.max(1) - have_ids).sum())
+        pages = min(self._arena.max_new_pages(extra), len(self._free_ids) - self._reserved_ids - extra_ids)
+        pages = max(0, pages)
+        per_request = -(-(prompt_len + max_new_tokens) // self.page_size)
+        return Capacity(pages=pages, tokens=pages * self.page_size,
+                        requests=pages // per_request if per_request else 0)
+
+    def stats(self) -> dict:
+        """Bytes and chunks: ``raw_bytes`` (live pages as plain BF16), ``stored_bytes`` (as stored), ``ratio``,
+        ``meta_bytes``, ``tokens``, ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation`` (share
+        of the bytes in layer-owned chunks that hold no live page: free slots, packed tails, holes, room left by
+        pages compressed in place) and ``layers``, one dict per layer."""
+        a = self._arena
+        rows = [s.row for s in self._seqs.values()]
+        tokens = self._len[rows].sum(0) if rows else np.zeros(self.num_layers, dtype=np.int64)
+        layers = []
+        for layer in range(self.num_layers):
+            live = a.offset[layer] >= 0
+            pages, stored = int(live.sum()), int(a.nbytes[layer][live].sum())
+            layers.append({
+                "tokens": int(tokens[layer]), "pages": pages, "raw_bytes": pages * self.page_bytes,
+                "stored_bytes": stored, "waiting_full_pages": len(self._full[layer]),
+                "slot_chunks": len(a.slot_chunks[layer]), "packed_chunks": len(a.packed_chunks[layer]),
+                "free_slots": a.free_slot_count[layer], "promised_pages": a.reserved[layer]})
+        raw = sum(x["raw_bytes"] for x in layers)
+        stored = sum(x["stored_bytes"] for x in layers)
+        owned = (a.num_chunks - len(a.pool)) * self.chunk_bytes
+        return {
+            "tokens": int(tokens.sum()), "raw_bytes": raw, "stored_bytes": stored, "ratio": stored / raw if raw else 1.0,
+            "meta_bytes": self._meta.numel() * 4, "num_chunks": a.num_chunks, "free_chunks": len(a.pool),
+            "chunk_bytes": self.chunk_bytes, "fragmentation": 1 - stored / owned if owned else 0.0,
+            "sequences": len(self._seqs), "free_page_ids": len(self._free_ids), "layers": layers}
+
+    def _describe_free(self) -> str:
+        a = self._arena
+        return (f"{len(a.pool)} of {a.num_chunks} chunks free, {sum(a.free_slot_count)} free slots, "
+                f"{sum(a.reserved)} pages promised to {len(self._seqs)} running sequences")
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def _plan(self, batch: _Batch, start: np.ndarray, counts: np.ndarray) -> _Plan:
+        P = self.page_size
+        end = start + counts
+        new, filled = [], []
+        for i, (a, b) in enumerate(zip(start.tolist(), end.tolist())):
+            new += [(i, j) for j in range(-(-a // P), -(-b // P))]
+            filled += [(i, j) for j in range(a // P, b // P)]
+        seq_index = np.repeat(np.arange(len(counts)), counts)
+        pos = np.repeat(start - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+        return _Plan(end=end, new=new, filled=filled, seq_index=seq_index, pos=pos)
+
+    def _open_pages(self, layer: int, batch: _Batch, plan: _Plan) -> None:
+        """Give the plan's new pages ids (first layer to reach them) and raw slots in ``layer``, or raise
+        CacheFullError before changing anything."""
+        if not plan.new:
+            return
+        new = [(batch.seqs[i], j) for i, j in plan.new]
+        beyond = sum(j >= s.budget for s, j in new)  # pages outside their sequence's promise
+        need_ids = [(s, j) for s, j in new if j >= s.num_ids]
+        ids_beyond = sum(j >= s.budget for s, j in need_ids)
+        if need_ids and ids_beyond > len(self._free_ids) - self._reserved_ids:
+            free = max(0, len(self._free_ids) - self._reserved_ids)
+            raise CacheFullError(f"append to layer {layer}: needs {ids_beyond} page ids beyond the sequences' "
+                                 f"budgets, {free} are free ({len(self._free_ids)} of "
+                                 f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
+                                 requested=ids_beyond, free=free, unit="page ids")
+        if not self._arena.fits(layer, beyond):
+            free = self._arena.spare_pages(layer)
+            raise CacheFullError(f"append to layer {layer}: needs {len(new)} new raw pages, {beyond} of them beyond "
+                                 f"the sequences' budgets, but only {free} can be taken without breaking promises "
+                                 f"({self._describe_free()})", requested=beyond, free=free, unit="pages")
+        for s, j in need_ids:
+            s.push(self._free_ids.pop())
+            if j < s.budget:
+                self._reserved_ids -= 1
+        self._arena.reserved[layer] -= len(new) - beyond
+        pids = [int(s.pages[j]) for s, j in new]
+        offsets = np.array(self._arena.place_raw(layer, pids), dtype=np.int64)
+        self._zero_dirty()  # a slot chunk just taken from the pool
+        # One host-to-device copy: the page ids, then their meta rows (the template's word 0 of stream (K|V, head)
+        # plus the page's offset; descriptors all raw).
+        k = len(pids)
+        rows = np.concatenate([pids, (self._raw_rows.reshape(1, -1) + np.outer(offsets // fmt.STREAM_ALIGN,
+                                                                                 self._word0)).ravel()])
+        t = self._tensor(rows.astype(np.int32))
+        self._meta_views[layer][t[:k]] = t[k:].view(k, *self._raw_rows.shape)
+
+    def _batch(self, seq_ids) -> _Batch:
+        if isinstance(seq_ids, torch.Tensor):
+            seq_ids = seq_ids.tolist()
+        key = (int(seq_ids),) if isinstance(seq_ids, (int, np.integer)) else tuple(seq_ids)
+        batch = self._batches.get(key)
+        if batch is None:
+            seqs = [self._seq(s) for s in key]
+            if len(set(key)) != len(key):
+                raise ValueError(f"seq_ids repeats a sequence: {list(key)}")
+            batch = _Batch(key, seqs, np.array([s.row for s in seqs], dtype=np.int64))
+            _remember(self._batches, key, batch)
+        return batch
+
+    def _seq(self, seq_id) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"seq_id {seq_id!r} is not a running sequence of this cache") from None
+
+    def _check_layer(self, layer) -> None:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    def _check_tokens(self, k, v) -> int:
+        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == v.dtype == torch.bfloat16
+                and k.shape == v.shape and k.dim() == 3 and k.shape[1] == self.num_kv_heads
+                and k.shape[2] == self.head_dim and k.device == v.device == self.device):
+            return k.shape[0]  # the decode-step path: one test, then the detailed messages below only on error
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.bfloat16:
+                raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_dim):
+                raise ValueError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {tuple(t.shape)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        return k.shape[0]
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the cache's device, without waiting for the device (pinned staging on CUDA)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
