@@ -13,11 +13,12 @@ pages ("real_kv": each 16 x 128 stream is two 16 x 64 streams of SmolLM2-135M's 
 layers, so every block is a real block; ~0.79; skipped without the model).
 
 Bookkeeping: ``--batch`` sequences of ``--context`` tokens in a cache of the model's layer count (1 KV head, d 64: the
-host work does not depend on heads or dims), then decode steps: per layer ``append`` (one token each) and
-``page_table``, then ``compress_full_pages()``. Reported (median over steps): host µs per step for all layers, the
-part spent inside the ``append_kv`` calls (the kernel on CPU, its launch on GPU: what any paged cache pays), the
-difference (the cache's bookkeeping), and ``compress_full_pages`` (on CPU it includes the compression itself; on GPU
-its one sync). Writes bench_capacity.json into --out.
+host work does not depend on heads or dims), then decode steps, two ways: ``prepare_step`` once (every layer's new
+pages and the shared page table) and per layer only ``step_append`` (the op), as a decode loop or a CUDA Graph
+drives it; and the per-layer API (``append`` + ``page_table`` per layer). Each step ends with
+``compress_full_pages()``. Reported (median over steps): host µs per step for all layers, the part spent inside the
+``append_kv`` calls (the kernel on CPU, its launch on GPU: what any paged cache pays), the difference (the cache's
+bookkeeping), and ``compress_full_pages`` (on CPU it includes the compression itself; on GPU its one sync). Writes bench_capacity.json into --out.
 """
 
 from __future__ import annotations
@@ -98,29 +99,37 @@ def bookkeeping(args, device) -> dict:
         append_kv(*a)
         in_op[0] += time.perf_counter() - t
 
-    step_s, op_s, compress_s = [], [], []
-    ops.append_kv = timed_append_kv
-    try:
+    def run(planned: bool):
+        step_s, op_s, compress_s = [], [], []
         for step in range(args.steps):
             sync()
             in_op[0] = 0.0
             t0 = time.perf_counter()
-            for layer in range(L):
-                cache.append(layer, sids, kt, kt)
-                cache.page_table(layer, sids)
+            if planned:  # one plan for every layer, then per layer only the op
+                plan = cache.prepare_step(sids)
+                for layer in range(L):
+                    cache.step_append(layer, plan, kt, kt)
+            else:  # the per-layer API: each layer plans its own append and page table (memoized across layers)
+                for layer in range(L):
+                    cache.append(layer, sids, kt, kt)
+                    cache.page_table(layer, sids)
             t1 = time.perf_counter()
             cache.compress_full_pages()
             compress_s.append(time.perf_counter() - t1)
             step_s.append(t1 - t0)
             op_s.append(in_op[0])
+        med = lambda xs: statistics.median(xs[2:]) * 1e6  # noqa: E731  (first steps warm the memos)
+        book = [s - o for s, o in zip(step_s, op_s)]
+        return {"step_us": med(step_s), "inside_append_kv_us": med(op_s), "bookkeeping_us_per_step": med(book),
+                "bookkeeping_us_per_layer": med(book) / L, "compress_full_pages_us_per_step": med(compress_s)}
+
+    ops.append_kv = timed_append_kv
+    try:
+        per_layer, planned = run(False), run(True)
     finally:
         ops.append_kv = append_kv
-    med = lambda xs: statistics.median(xs[2:]) * 1e6  # noqa: E731  (first steps warm the memos)
-    book = [s - o for s, o in zip(step_s, op_s)]
     return {"layers": L, "batch": B, "context": args.context, "steps": args.steps,
-            "append_and_page_table_us_per_step": med(step_s), "inside_append_kv_us_per_step": med(op_s),
-            "bookkeeping_us_per_step": med(book), "bookkeeping_us_per_layer": med(book) / L,
-            "compress_full_pages_us_per_step": med(compress_s)}
+            "prepare_step": planned, "per_layer_append": per_layer}
 
 
 def main() -> None:
@@ -171,11 +180,12 @@ def main() -> None:
         torch.set_num_threads(1)  # a 64-token append is too small to share; OpenMP barriers stall on a busy box
     bk = bookkeeping(args, device)
     result["bookkeeping"] = bk
-    print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}: "
-          f"append + page_table {bk['append_and_page_table_us_per_step']:.0f} µs/step, of which inside append_kv "
-          f"{bk['inside_append_kv_us_per_step']:.0f} µs -> bookkeeping {bk['bookkeeping_us_per_step']:.0f} µs "
-          f"({bk['bookkeeping_us_per_layer']:.1f} µs/layer); compress_full_pages "
-          f"{bk['compress_full_pages_us_per_step']:.0f} µs/step")
+    for name, r in (("prepare_step + per-layer append_kv", bk["prepare_step"]),
+                    ("per-layer append + page_table", bk["per_layer_append"])):
+        print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}, {name}: "
+              f"{r['step_us']:.0f} µs/step, of which inside append_kv {r['inside_append_kv_us']:.0f} µs -> "
+              f"bookkeeping {r['bookkeeping_us_per_step']:.0f} µs ({r['bookkeeping_us_per_layer']:.1f} µs/layer); "
+              f"compress_full_pages {r['compress_full_pages_us_per_step']:.0f} µs/step")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_capacity.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -326,3 +326,58 @@ def test_admission_by_capacity_never_runs_out_and_compression_admits_more():
     peaks = [run_scheduler(make(layers=2, chunks=40, chunk_pages=4), torch.Generator().manual_seed(seed), c)
              for c in (False, True)]
     assert peaks[1] > peaks[0], f"compression did not turn saved bytes into more concurrent requests: {peaks}"
+
+
+def test_planned_steps_match_per_layer_appends_bit_for_bit(gen):
+    """prepare_step opens every layer's pages at once; the result (contents, layout, accounting, attention) is the
+    per-layer append path's, page for page."""
+    layers, lens = 3, [5, 16, 31, 47]
+    a, b = make(layers=layers, chunks=40), make(layers=layers, chunks=40)
+    sids = {c: [c.add_sequence(n, 40) for n in lens] for c in (a, b)}
+    kept = {}
+    for layer in range(layers):
+        for i, n in enumerate(lens):
+            k, v = tokens(10 * layer + i, n, H, D)
+            for c in (a, b):
+                c.append(layer, sids[c][i], k, v)
+            kept[(sids[a][i], layer)] = (k, v)
+    compressed = 0
+    for step in range(35):  # crosses page boundaries at different steps per sequence, with compressions between
+        plan = a.prepare_step(sids[a])
+        assert plan.page_ids.dtype == torch.int32 and plan.kv_indptr.shape == (len(lens) + 1,)
+        for layer in range(layers):
+            k, v = tokens(1000 + 10 * step + layer, len(lens), H, D)
+            a.step_append(layer, plan, k, v)
+            b.append(layer, sids[b], k, v)
+            for i, sid in enumerate(sids[a]):
+                old = kept[(sid, layer)]
+                kept[(sid, layer)] = (torch.cat([old[0], k[i: i + 1]]), torch.cat([old[1], v[i: i + 1]]))
+            q = torch.randn(len(lens), 2 * H, D, generator=gen).bfloat16()
+            out = a.step_decode(layer, plan, q)
+            assert torch.equal(bits(out), bits(b.decode(layer, q, sids[b])))
+            assert rel_err(out, decode_reference(q, [kept[(s, layer)] for s in sids[a]], P)) < 1e-2
+        if step % 4 == 3:
+            n = a.compress_full_pages()
+            assert n == b.compress_full_pages()
+            compressed += n
+    assert compressed >= layers * (len(lens) + 4)  # the prompts' full pages and those the steps filled
+    assert torch.equal(a.data, b.data) and torch.equal(a._meta, b._meta)
+    check_all(a, kept)
+
+
+def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
+    cache = make(layers=2, chunks=6, chunk_pages=2)  # 12 raw pages
+    s = cache.add_sequence()
+    cache.append(0, s, *tokens(0, 3, H, D))
+    with pytest.raises(ValueError, match="every layer at the same length"):
+        cache.prepare_step([s])
+    cache.append(1, s, *tokens(1, 3, H, D))
+    t = cache.add_sequence()
+    for layer in range(2):
+        cache.append(layer, t, *tokens(2 + layer, 4 * P, H, D))  # t's 4 pages per layer: one free slot per layer
+    for layer in range(2):
+        cache.append(layer, s, *tokens(5 + layer, P - 3, H, D))  # s's first page is full now
+    before, meta = cache.stats(), cache._meta.clone()
+    with pytest.raises(CacheFullError, match="needs 2 new raw pages"):
+        cache.prepare_step([s, t])  # both need a second page in both layers, beyond any budget
+    assert cache.stats() == before and torch.equal(cache._meta, meta)

@@ -14,9 +14,9 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _C  # noqa: F401  (registers the zipkv ops)
 from . import ops
-from .cache import CacheFullError, Capacity, CompressedPagedKVCache
+from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep
 from .compressed_kv import CompressedKV, compress, decompress, paged_decode
 from .format import FORMAT_VERSION
 
 __all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION",
-           "CompressedPagedKVCache", "CacheFullError", "Capacity"]
+           "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep"]

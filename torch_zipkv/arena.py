@@ -123,6 +123,17 @@ class Arena:
     def place_raw(self, layer: int, pages: list[int]) -> list[int]:
         """Give each page a free slot of ``layer`` (the caller checked :meth:`fits` or holds promises); returns
         the offsets. Slots come from the fullest slot chunk, so sparse chunks drain and go back to the pool."""
+        chunks = self.slot_chunks[layer]
+        if len(chunks) == 1 and pages:  # steady decoding: one slot chunk with room for all, nothing to choose
+            c = next(iter(chunks))
+            free, n = self.free_slots[c], len(pages)
+            if len(free) >= n:
+                offsets = free[-1: -n - 1: -1]  # the order pop() would give
+                del free[-n:]
+                self.free_slot_count[layer] -= n
+                self.live[c] += n * self.page_bytes
+                self.offset[layer, pages], self.nbytes[layer, pages] = offsets, self.page_bytes
+                return offsets
         offsets = []
         for p in pages:
             chunks = self.slot_chunks[layer]

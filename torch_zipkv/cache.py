@@ -49,6 +49,19 @@ class Capacity:
     requests: int  # sequences of the asked prompt_len + max_new_tokens that add_sequence would admit now
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step planned for every layer by :meth:`CompressedPagedKVCache.prepare_step`: where each
+    sequence's new token goes (``page_ids``, ``slots``: int32 [B]) and the FlashInfer page table after it
+    (``kv_indptr`` [B+1], ``kv_indices`` [nnz], ``kv_last_page_len`` [B]), all int32 on the cache's device."""
+
+    page_ids: torch.Tensor
+    slots: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
 class _Seq:
     __slots__ = ("row", "pages", "num_ids", "budget")
 
@@ -261,14 +274,8 @@ class CompressedPagedKVCache:
         if plan is None:
             plan = self._plan(batch, start, np.array([n]) if single else np.ones(n, dtype=np.int64))
             _remember(self._plans, key, plan)
-        self._open_pages(layer, batch, plan)
-        if plan.page_ids is None:  # every page of the plan has an id now
-            ids = np.fromiter((batch.seqs[i].pages[p] for i, p in zip(plan.seq_index.tolist(),
-                                                                       (plan.pos // self.page_size).tolist())),
-                              dtype=np.int32, count=n)
-            plan.page_ids = self._tensor(ids)
-            plan.slots = self._tensor((plan.pos % self.page_size).astype(np.int32))
-            plan.filled_ids = [int(batch.seqs[i].pages[p]) for i, p in plan.filled]
+        self._open_pages([layer], batch, plan)
+        self._plan_tensors(batch, plan)
         ops.append_kv(k.contiguous(), v.contiguous(), plan.page_ids, plan.slots, self.page_size, self.data,
                       self.meta(layer))
         self._len[batch.rows, layer] = plan.end
@@ -310,6 +317,44 @@ class CompressedPagedKVCache:
             raise ValueError(f"q has {q.shape[0]} rows for {len(indptr) - 1} sequences")
         return ops.paged_decode(q, self.data, self.meta(layer), indptr, indices, last, self.page_size, sm_scale,
                                 out, lse)
+
+    def prepare_step(self, seq_ids) -> "DecodeStep":
+        """Plan one decode step of ``seq_ids`` (one new token each) for every layer at once: new pages open in all
+        layers together (one device copy), and the returned :class:`DecodeStep` holds the tensors every layer's
+        append and attention use (page ids are shared by all layers, so one page table serves them all).
+
+        Then, for each layer, :meth:`step_append` (or ``ops.append_kv`` with ``step.page_ids``, ``step.slots``)
+        and :meth:`step_decode` (or ``ops.paged_decode`` with ``step.kv_indptr``, ...): the per-layer calls do no
+        host bookkeeping, and the tensors can feed a captured CUDA Graph. The lengths count the new tokens from
+        now on, so append them to every layer before anything else reads the cache. Needs every layer at the same
+        length for these sequences; raises CacheFullError, changing nothing, if the new pages do not fit."""
+        batch = self._batch(seq_ids)
+        lens = self._len[batch.rows]  # [B, layers]
+        start = lens[:, 0]
+        if not (lens == start[:, None]).all():
+            raise ValueError("prepare_step needs every layer at the same length for these sequences; use append() "
+                             "per layer otherwise")
+        key = (batch.key, False, len(batch.seqs), start.tobytes())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(batch, start, np.ones(len(batch.seqs), dtype=np.int64))
+            _remember(self._plans, key, plan)
+        self._open_pages(list(range(self.num_layers)), batch, plan)
+        self._plan_tensors(batch, plan)
+        self._len[batch.rows] = plan.end[:, None]
+        for full in self._full:
+            full.update(dict.fromkeys(plan.filled_ids))
+        return DecodeStep(plan.page_ids, plan.slots, *self.page_table(0, seq_ids))
+
+    def step_append(self, layer: int, step: "DecodeStep", k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer's tokens of a step planned by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D])."""
+        ops.append_kv(k, v, step.page_ids, step.slots, self.page_size, self.data, self.meta(layer))
+
+    def step_decode(self, layer: int, step: "DecodeStep", q: torch.Tensor, *, sm_scale: float | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of one layer in a step planned by :meth:`prepare_step` (``q`` bf16 [B, Hq, D])."""
+        return ops.paged_decode(q, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
+                                step.kv_last_page_len, self.page_size, sm_scale, out)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens of ``seq_id`` in ``layer`` as bf16 ``k, v`` [tokens, num_kv_heads, head_dim], bit-identical
@@ -489,17 +534,22 @@ class CompressedPagedKVCache:
     def _plan(self, batch: _Batch, start: np.ndarray, counts: np.ndarray) -> _Plan:
         P = self.page_size
         end = start + counts
-        new, filled = [], []
-        for i, (a, b) in enumerate(zip(start.tolist(), end.tolist())):
-            new += [(i, j) for j in range(-(-a // P), -(-b // P))]
-            filled += [(i, j) for j in range(a // P, b // P)]
+        if (counts == 1).all():  # a decode step: a token opens a page at slot 0 and fills it at slot P - 1
+            opens, fills = np.nonzero(start % P == 0)[0], np.nonzero(end % P == 0)[0]
+            new = list(zip(opens.tolist(), (start[opens] // P).tolist()))
+            filled = list(zip(fills.tolist(), (start[fills] // P).tolist()))
+        else:
+            new, filled = [], []
+            for i, (a, b) in enumerate(zip(start.tolist(), end.tolist())):
+                new += [(i, j) for j in range(-(-a // P), -(-b // P))]
+                filled += [(i, j) for j in range(a // P, b // P)]
         seq_index = np.repeat(np.arange(len(counts)), counts)
         pos = np.repeat(start - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
         return _Plan(end=end, new=new, filled=filled, seq_index=seq_index, pos=pos)
 
-    def _open_pages(self, layer: int, batch: _Batch, plan: _Plan) -> None:
-        """Give the plan's new pages ids (first layer to reach them) and raw slots in ``layer``, or raise
-        CacheFullError before changing anything."""
+    def _open_pages(self, layers: list[int], batch: _Batch, plan: _Plan) -> None:
+        """Give the plan's new pages ids (first layer to reach them) and raw slots in each of ``layers``, or raise
+        CacheFullError before changing anything. Every layer's new meta rows go to the device in one copy."""
         if not plan.new:
             return
         new = [(batch.seqs[i], j) for i, j in plan.new]
@@ -508,11 +558,18 @@ class CompressedPagedKVCache:
         ids_beyond = sum(j >= s.budget for s, j in need_ids)
         if need_ids and ids_beyond > len(self._free_ids) - self._reserved_ids:
             free = max(0, len(self._free_ids) - self._reserved_ids)
-            raise CacheFullError(f"append to layer {layer}: needs {ids_beyond} page ids beyond the sequences' "
+            raise CacheFullError(f"append to layer {layers[0]}: needs {ids_beyond} page ids beyond the sequences' "
                                  f"budgets, {free} are free ({len(self._free_ids)} of "
                                  f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
                                  requested=ids_beyond, free=free, unit="page ids")
-        if not self._arena.fits(layer, beyond):
+        short = [layer for layer in layers if not self._arena.fits(layer, beyond)]
+        if not short and beyond and len(layers) > 1:  # each fits alone; together they may need too many chunks
+            extra = np.zeros(self.num_layers, dtype=np.int64)
+            extra[[layer for layer in layers
+                   if beyond > self._arena.free_slot_count[layer] - self._arena.reserved[layer]]] = beyond
+            short = layers[:1] if self._arena.pool_need(extra) > len(self._arena.pool) else []
+        if short:
+            layer = short[0]
             free = self._arena.spare_pages(layer)
             raise CacheFullError(f"append to layer {layer}: needs {len(new)} new raw pages, {beyond} of them beyond "
                                  f"the sequences' budgets, but only {free} can be taken without breaking promises "
@@ -521,17 +578,30 @@ class CompressedPagedKVCache:
             s.push(self._free_ids.pop())
             if j < s.budget:
                 self._reserved_ids -= 1
-        self._arena.reserved[layer] -= len(new) - beyond
         pids = [int(s.pages[j]) for s, j in new]
-        offsets = np.array(self._arena.place_raw(layer, pids), dtype=np.int64)
-        self._zero_dirty()  # a slot chunk just taken from the pool
-        # One host-to-device copy: the page ids, then their meta rows (the template's word 0 of stream (K|V, head)
-        # plus the page's offset; descriptors all raw).
-        k = len(pids)
-        rows = np.concatenate([pids, (self._raw_rows.reshape(1, -1) + np.outer(offsets // fmt.STREAM_ALIGN,
-                                                                                 self._word0)).ravel()])
+        offsets = []
+        for layer in layers:
+            self._arena.reserved[layer] -= len(new) - beyond
+            offsets += self._arena.place_raw(layer, pids)
+        self._zero_dirty()  # slot chunks just taken from the pool
+        # One host-to-device copy: layers, page ids, then their meta rows (the template's word 0 of stream
+        # (K|V, head) plus the page's offset; descriptors all raw).
+        k = len(pids) * len(layers)
+        units = np.array(offsets, dtype=np.int64) // fmt.STREAM_ALIGN
+        rows = np.concatenate([np.repeat(np.array(layers, dtype=np.int64), len(pids)), np.tile(pids, len(layers)),
+                               (self._raw_rows.reshape(1, -1) + np.outer(units, self._word0)).ravel()])
         t = self._tensor(rows.astype(np.int32))
-        self._meta_views[layer][t[:k]] = t[k:].view(k, *self._raw_rows.shape)
+        self._meta[t[:k].long(), t[k: 2 * k].long()] = t[2 * k:].view(k, *self._raw_rows.shape)
+
+    def _plan_tensors(self, batch: _Batch, plan: _Plan) -> None:
+        """The plan's page ids and slots on the device, once every page of the plan has an id."""
+        if plan.page_ids is None:
+            ids = np.fromiter((batch.seqs[i].pages[p] for i, p in zip(plan.seq_index.tolist(),
+                                                                       (plan.pos // self.page_size).tolist())),
+                              dtype=np.int32, count=len(plan.pos))
+            plan.page_ids = self._tensor(ids)
+            plan.slots = self._tensor((plan.pos % self.page_size).astype(np.int32))
+            plan.filled_ids = [int(batch.seqs[i].pages[p]) for i, p in plan.filled]
 
     def _batch(self, seq_ids) -> _Batch:
         if isinstance(seq_ids, torch.Tensor):
