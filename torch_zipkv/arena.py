@@ -120,35 +120,32 @@ class Arena:
         self.pool.append(c)
 
     # ---- slots ----------------------------------------------------------------------------------------------
-    def place_raw(self, layer: int, pages: list[int]) -> list[int]:
-        """Give each page a free slot of ``layer`` (the caller checked :meth:`fits` or holds promises); returns
-        the offsets. Slots come from the fullest slot chunk, so sparse chunks drain and go back to the pool."""
-        chunks = self.slot_chunks[layer]
-        if len(chunks) == 1 and pages:  # steady decoding: one slot chunk with room for all, nothing to choose
-            c = next(iter(chunks))
-            free, n = self.free_slots[c], len(pages)
-            if len(free) >= n:
-                offsets = free[-1: -n - 1: -1]  # the order pop() would give
-                del free[-n:]
+    def place_raw(self, layers: list[int], pages: list[int]) -> list[int]:
+        """Give each page a free slot in each of ``layers`` (the caller checked :meth:`fits` or holds promises);
+        returns the offsets, layer by layer. Slots come from the fullest slot chunk, so sparse chunks drain and go
+        back to the pool. The table is written once for all layers (a decode step opens pages in every layer)."""
+        n, offsets = len(pages), []
+        for layer in layers:
+            chunks = self.slot_chunks[layer]
+            if len(chunks) == 1 and n <= len(self.free_slots[next(iter(chunks))]):  # steady decoding: no choice
+                c = next(iter(chunks))
+                free = self.free_slots[c]
+                offsets += free[-1: -n - 1: -1]  # the order pop() would give
+                del free[len(free) - n:]
                 self.free_slot_count[layer] -= n
                 self.live[c] += n * self.page_bytes
-                self.offset[layer, pages], self.nbytes[layer, pages] = offsets, self.page_bytes
-                return offsets
-        offsets = []
-        for p in pages:
-            chunks = self.slot_chunks[layer]
-            if len(chunks) == 1:  # the common case in steady decoding: no choice to make
-                c = next(iter(chunks))
-                c = c if self.free_slots[c] else None
-            else:
+                continue
+            for _ in pages:
+                chunks = self.slot_chunks[layer]
                 c = min((c for c in chunks if self.free_slots[c]), default=None, key=lambda c: len(self.free_slots[c]))
-            if c is None:
-                c = self._take_chunk(layer, SLOTS)
-            off = self.free_slots[c].pop()
-            self.free_slot_count[layer] -= 1
-            self.live[c] += self.page_bytes
-            self.offset[layer, p], self.nbytes[layer, p] = off, self.page_bytes
-            offsets.append(off)
+                if c is None:
+                    c = self._take_chunk(layer, SLOTS)
+                offsets.append(self.free_slots[c].pop())
+                self.free_slot_count[layer] -= 1
+                self.live[c] += self.page_bytes
+        if n:
+            rows, cols = np.repeat(layers, n), np.tile(pages, len(layers))
+            self.offset[rows, cols], self.nbytes[rows, cols] = offsets, self.page_bytes
         return offsets
 
     def _release(self, layer: int, p: int) -> None:

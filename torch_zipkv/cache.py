@@ -342,8 +342,10 @@ class CompressedPagedKVCache:
         self._open_pages(list(range(self.num_layers)), batch, plan)
         self._plan_tensors(batch, plan)
         self._len[batch.rows] = plan.end[:, None]
-        for full in self._full:
-            full.update(dict.fromkeys(plan.filled_ids))
+        if plan.filled_ids:
+            filled = dict.fromkeys(plan.filled_ids)
+            for full in self._full:
+                full.update(filled)
         return DecodeStep(plan.page_ids, plan.slots, *self.page_table(0, seq_ids))
 
     def step_append(self, layer: int, step: "DecodeStep", k: torch.Tensor, v: torch.Tensor) -> None:
@@ -562,7 +564,7 @@ class CompressedPagedKVCache:
                                  f"budgets, {free} are free ({len(self._free_ids)} of "
                                  f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
                                  requested=ids_beyond, free=free, unit="page ids")
-        short = [layer for layer in layers if not self._arena.fits(layer, beyond)]
+        short = [layer for layer in layers if not self._arena.fits(layer, beyond)] if beyond else []
         if not short and beyond and len(layers) > 1:  # each fits alone; together they may need too many chunks
             extra = np.zeros(self.num_layers, dtype=np.int64)
             extra[[layer for layer in layers
@@ -579,10 +581,9 @@ class CompressedPagedKVCache:
             if j < s.budget:
                 self._reserved_ids -= 1
         pids = [int(s.pages[j]) for s, j in new]
-        offsets = []
         for layer in layers:
             self._arena.reserved[layer] -= len(new) - beyond
-            offsets += self._arena.place_raw(layer, pids)
+        offsets = self._arena.place_raw(layers, pids)
         self._zero_dirty()  # slot chunks just taken from the pool
         # One host-to-device copy: layers, page ids, then their meta rows (the template's word 0 of stream
         # (K|V, head) plus the page's offset; descriptors all raw).
