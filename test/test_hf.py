@@ -127,3 +127,89 @@ def test_smollm2_teacher_forced_logits_match_default(smollm2):
     agree = got.argmax(-1) == seq[:, L:]
     assert bool((agree | tie).all()), f"argmax departs outside ties at {(~(agree | tie)).nonzero().tolist()}"
     assert cache.stats()["stored_bytes"] < cache.stats()["raw_bytes"]
+
+
+# ---- other architectures (small random-weight configs) --------------------------------------------------------
+def small_config(arch: str, **overrides):
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    common.update(overrides)
+    if arch == "qwen3":  # q/k norm
+        return transformers.Qwen3Config(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(**{"sliding_window": None, **common})
+    if arch == "gemma3":  # sliding-window and full layers, query_pre_attn_scalar scaling, q/k norm
+        return transformers.Gemma3TextConfig(**{"sliding_window": 256, "query_pre_attn_scalar": 64, **common})
+    raise ValueError(arch)
+
+
+def small_model(arch: str, **overrides):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(small_config(arch, **overrides), dtype=torch.bfloat16).eval()
+
+
+def padded_batch(gen, lengths, total_new):
+    L = max(lengths)
+    ids = torch.randint(0, 512, (len(lengths), L), generator=gen)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, L - n:] = 1
+    return ids, mask, torch.randint(0, 512, (len(lengths), total_new), generator=gen)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral", "gemma3"])
+def test_random_model_logits_match_default(arch, gen):
+    """Prefill of a left-padded batch (24 and 15 real tokens) and 20 decode steps across page boundaries: the "zipkv"
+    logits stay as close to DynamicCache + SDPA as transformers' eager attention is (x1.5), and full pages compress."""
+    model = small_model(arch)
+    ids, mask, forced = padded_batch(gen, [24, 15], 20)
+    ref = teacher_forced_logits(model, "sdpa", ids, mask, forced)
+    eager = teacher_forced_logits(model, "eager", ids, mask, forced)
+    cache = ZipKVCache.from_model(model, batch_size=2, max_length=48, max_new_tokens=24, page_size=PAGE)
+    got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+    tol = max(1.5 * float((eager - ref).abs().max()), 4e-3)
+    err = float((got - ref).abs().max())
+    assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
+    stats = cache.stats()
+    assert stats["tokens"] == 2 * (24 + 15 + 2 * 20)  # 2 layers x (prompts + 20 steps of 2 sequences), no pads
+    assert stats["stored_bytes"] < stats["raw_bytes"]
+    for layer in range(2):
+        k, v = cache.kv.gather(layer, cache.seq_ids[1])
+        assert k.shape == v.shape == (15 + 20, 2, 64)
+
+
+def test_sliding_window_past_window_raises(gen):
+    model = small_model("gemma3", sliding_window=16)
+    ids, mask, forced = padded_batch(gen, [20], 4)
+    cache = ZipKVCache.from_model(model, max_length=32, page_size=PAGE)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+
+
+def test_wrong_attention_implementation_raises(gen):
+    model = small_model("qwen3")
+    ids, mask, forced = padded_batch(gen, [20], 2)
+    cache = ZipKVCache.from_model(model, max_length=32, page_size=PAGE)
+    with pytest.raises(RuntimeError, match="attn_implementation='zipkv'"):
+        teacher_forced_logits(model, "sdpa", ids, mask, forced, cache)
+
+
+def test_bad_arguments_raise():
+    model = small_model("qwen3")
+    with pytest.raises(ValueError, match="max_bytes and max_length"):
+        ZipKVCache.from_model(model)
+    with pytest.raises(ValueError, match="batch_size"):
+        ZipKVCache.from_model(model, batch_size=0, max_length=32)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ZipKVCache.from_model(model, max_length=32, max_new_tokens=64)
+    with pytest.raises(TypeError, match="kv must be"):
+        ZipKVCache(object())
+    with pytest.raises(TypeError, match="model must be"):
+        torch_zipkv.enable(object())
+    model32 = model.float()
+    cache = ZipKVCache.from_model(model32, max_length=32, page_size=PAGE)
+    with pytest.raises(ValueError, match="bfloat16"):
+        teacher_forced_logits(model32, "zipkv", torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
+                              torch.zeros(1, 0, dtype=torch.long), cache)
