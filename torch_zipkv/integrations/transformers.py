@@ -126,7 +126,6 @@ class ZipKVCache(Cache):
         if (max_bytes is None) == (max_length is None):
             raise ValueError(f"give exactly one of max_bytes and max_length, got max_bytes={max_bytes!r}, "
                              f"max_length={max_length!r}")
-        kwargs = {}
         if max_length is not None:
             for name, value in (("batch_size", batch_size), ("max_length", max_length)):
                 if not isinstance(value, int) or value < 1:
