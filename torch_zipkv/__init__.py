@@ -8,6 +8,8 @@ The high-level API:
 - :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table.
 - :class:`CompressedPagedKVCache` keeps a model's KV cache compressed in a byte budget: sequences, appends, page
   tables, compression of full pages, capacity for the scheduler (:class:`CacheFullError` when something won't fit).
+- :class:`ZipKVCache` and :func:`enable` (HuggingFace transformers, imported on first use): a transformers ``Cache``
+  on the compressed pages and the "zipkv" attention implementation that decodes from them.
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -19,4 +21,15 @@ from .compressed_kv import CompressedKV, compress, decompress, paged_decode
 from .format import FORMAT_VERSION
 
 __all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION",
-           "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep"]
+           "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable"]
+
+_TRANSFORMERS_NAMES = ("ZipKVCache", "enable")
+
+
+def __getattr__(name: str):
+    # transformers takes seconds to import: load the integration only when one of its names is asked for.
+    if name in _TRANSFORMERS_NAMES:
+        from .integrations import transformers as hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'torch_zipkv' has no attribute {name!r}")

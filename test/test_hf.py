@@ -1,0 +1,215 @@
+"""HuggingFace transformers integration: ZipKVCache + "zipkv" attention against transformers' own default path
+(DynamicCache + SDPA) as the oracle, on the real SmolLM2 and on small random-weight models of other architectures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch_zipkv  # noqa: E402
+from torch_zipkv.integrations.transformers import ZipKVCache  # noqa: E402  (registers "zipkv")
+
+PAGE = 16
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from torch_zipkv import realkv
+
+    try:
+        realkv.smollm2_gguf_path()
+    except ModuleNotFoundError as e:
+        if os.environ.get("ZIPKV_REQUIRE_MODEL") == "1":
+            raise
+        pytest.skip(str(e))
+    model, tok = realkv.load_smollm2()
+    tok.padding_side = "left"
+    return model, tok
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as generate() makes them for a left-padded batch."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, impl: str, input_ids, attention_mask, forced, cache=None) -> torch.Tensor:
+    """Last-position logits of the prefill, then of one decode step per column of ``forced`` [B, T] (the fed tokens),
+    with attention ``impl`` and ``cache`` (default DynamicCache): float [B, T + 1, vocab]."""
+    model.set_attn_implementation(impl)
+    cache = cache if cache is not None else transformers.DynamicCache(config=model.config)
+    mask, pos = attention_mask, positions(attention_mask)
+    out = [model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache).logits[:, -1]]
+    for t in range(forced.shape[1]):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        pos = pos[:, -1:] + 1
+        out.append(model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, cache=cache).logits[:, -1])
+    return torch.stack(out, 1).float()
+
+
+def zipkv_cache(model, batch, max_length, max_new_tokens):
+    return ZipKVCache.from_model(model, batch_size=batch, max_length=max_length, max_new_tokens=max_new_tokens,
+                                 page_size=PAGE)
+
+
+# ---- SmolLM2 (real weights) -----------------------------------------------------------------------------------
+PROMPTS = ["Photosynthesis is the process by which plants",
+           "Here is a short story about a cat named Tom:",
+           "import numpy as np\n\n# Compute the mean of a list of numbers, then print it to the screen\n"]
+
+
+def test_smollm2_greedy_generate_matches_default(smollm2):
+    """model.generate with ZipKVCache + "zipkv" gives transformers' default greedy tokens (64 new, batch of 3
+    left-padded prompts, page 16: prompts and outputs cross pages, full pages compress mid-generation). The only
+    allowed departure is at a bf16 tie: where the default path's two best logits are within bf16 rounding (ties
+    are frequent: logits near 20 have a 0.125 step), any other rounding of the same math can pick the other token,
+    transformers' own eager attention included; from there on the texts differ and are not compared."""
+    model, tok = smollm2
+    inp = tok(PROMPTS, return_tensors="pt", padding=True)
+    L = inp.input_ids.shape[1]
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(**inp, **kw)
+    cache = zipkv_cache(model, len(PROMPTS), L + NEW_TOKENS, NEW_TOKENS)
+    torch_zipkv.enable(model)
+    try:
+        got = model.generate(**inp, cache=cache, **kw)
+    finally:
+        model.set_attn_implementation("sdpa")
+    ref_logits = torch.stack(ref.logits, 1).float()
+    assert got.sequences.shape == ref.sequences.shape == (len(PROMPTS), L + NEW_TOKENS)
+    matched = 0
+    for b in range(len(PROMPTS)):
+        diff = (got.sequences[b, L:] != ref.sequences[b, L:]).nonzero()
+        if len(diff):
+            step = int(diff[0])
+            top2 = ref_logits[b, step].topk(2).values
+            assert top2[0] - top2[1] <= 0.125, (
+                f"prompt {b}: token {step} differs from the default path where its margin was "
+                f"{float(top2[0] - top2[1])} (not a bf16 tie)")
+        matched += int(diff[0]) if len(diff) else NEW_TOKENS
+    assert matched >= NEW_TOKENS, "fewer than 64 tokens in all agreed before a tie"
+    stats = cache.stats()
+    assert stats["sequences"] == len(PROMPTS)
+    # Every full page but those filled by the last step has been compressed, and compression saved bytes.
+    assert stats["tokens"] == model.config.num_hidden_layers * int(inp.attention_mask.sum() + len(PROMPTS) * (NEW_TOKENS - 1))
+    assert stats["stored_bytes"] < 0.9 * stats["raw_bytes"]
+
+
+def test_smollm2_teacher_forced_logits_match_default(smollm2):
+    """Fed the default path's own greedy tokens for 64 steps, the "zipkv" path's logits stay within bf16
+    tolerance of the default's at every step, and its argmax is the default's token except at bf16 ties. The
+    tolerance is what transformers' eager attention itself departs from SDPA by, times 1.5."""
+    model, tok = smollm2
+    inp = tok(PROMPTS, return_tensors="pt", padding=True)
+    L = inp.input_ids.shape[1]
+    model.set_attn_implementation("sdpa")
+    seq = model.generate(**inp, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    forced = seq[:, L:-1]
+    ref = teacher_forced_logits(model, "sdpa", inp.input_ids, inp.attention_mask, forced)
+    assert torch.equal(ref.argmax(-1), seq[:, L:]), "the teacher-forced default path must reproduce generate()"
+    eager = teacher_forced_logits(model, "eager", inp.input_ids, inp.attention_mask, forced)
+    cache = zipkv_cache(model, len(PROMPTS), L + NEW_TOKENS, NEW_TOKENS)
+    got = teacher_forced_logits(model, "zipkv", inp.input_ids, inp.attention_mask, forced, cache)
+    model.set_attn_implementation("sdpa")
+    tol = 1.5 * float((eager - ref).abs().max())
+    err = (got - ref).abs().amax(-1)  # [B, steps]
+    assert float(err.max()) <= tol, f"zipkv logits off by {float(err.max())}, eager-vs-sdpa tolerance {tol}"
+    assert float(err[:, 0].max()) == 0.0, "prefill runs transformers' own SDPA: its logits must be identical"
+    top2 = ref.topk(2, -1).values
+    tie = (top2[..., 0] - top2[..., 1]) <= 0.125
+    agree = got.argmax(-1) == seq[:, L:]
+    assert bool((agree | tie).all()), f"argmax departs outside ties at {(~(agree | tie)).nonzero().tolist()}"
+    assert cache.stats()["stored_bytes"] < cache.stats()["raw_bytes"]
+
+
+# ---- other architectures (small random-weight configs) --------------------------------------------------------
+def small_config(arch: str, **overrides):
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    common.update(overrides)
+    if arch == "qwen3":  # q/k norm
+        return transformers.Qwen3Config(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(**{"sliding_window": None, **common})
+    if arch == "gemma3":  # sliding-window and full layers, query_pre_attn_scalar scaling, q/k norm
+        return transformers.Gemma3TextConfig(**{"sliding_window": 256, "query_pre_attn_scalar": 64, **common})
+    raise ValueError(arch)
+
+
+def small_model(arch: str, **overrides):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(small_config(arch, **overrides), dtype=torch.bfloat16).eval()
+
+
+def padded_batch(gen, lengths, total_new):
+    L = max(lengths)
+    ids = torch.randint(0, 512, (len(lengths), L), generator=gen)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, L - n:] = 1
+    return ids, mask, torch.randint(0, 512, (len(lengths), total_new), generator=gen)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral", "gemma3"])
+def test_random_model_logits_match_default(arch, gen):
+    """Prefill of a left-padded batch (24 and 15 real tokens) and 20 decode steps across page boundaries: the "zipkv"
+    logits stay as close to DynamicCache + SDPA as transformers' eager attention is (x1.5), and full pages compress."""
+    model = small_model(arch)
+    ids, mask, forced = padded_batch(gen, [24, 15], 20)
+    ref = teacher_forced_logits(model, "sdpa", ids, mask, forced)
+    eager = teacher_forced_logits(model, "eager", ids, mask, forced)
+    cache = ZipKVCache.from_model(model, batch_size=2, max_length=48, max_new_tokens=24, page_size=PAGE)
+    got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+    tol = max(1.5 * float((eager - ref).abs().max()), 4e-3)
+    err = float((got - ref).abs().max())
+    assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
+    stats = cache.stats()
+    assert stats["tokens"] == 2 * (24 + 15 + 2 * 20)  # 2 layers x (prompts + 20 steps of 2 sequences), no pads
+    assert stats["stored_bytes"] < stats["raw_bytes"]
+    for layer in range(2):
+        k, v = cache.kv.gather(layer, cache.seq_ids[1])
+        assert k.shape == v.shape == (15 + 20, 2, 64)
+
+
+def test_sliding_window_past_window_raises(gen):
+    model = small_model("gemma3", sliding_window=16)
+    ids, mask, forced = padded_batch(gen, [20], 4)
+    cache = ZipKVCache.from_model(model, max_length=32, page_size=PAGE)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+
+
+def test_wrong_attention_implementation_raises(gen):
+    model = small_model("qwen3")
+    ids, mask, forced = padded_batch(gen, [20], 2)
+    cache = ZipKVCache.from_model(model, max_length=32, page_size=PAGE)
+    with pytest.raises(RuntimeError, match="attn_implementation='zipkv'"):
+        teacher_forced_logits(model, "sdpa", ids, mask, forced, cache)
+
+
+def test_bad_arguments_raise():
+    model = small_model("qwen3")
+    with pytest.raises(ValueError, match="max_bytes and max_length"):
+        ZipKVCache.from_model(model)
+    with pytest.raises(ValueError, match="batch_size"):
+        ZipKVCache.from_model(model, batch_size=0, max_length=32)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ZipKVCache.from_model(model, max_length=32, max_new_tokens=64)
+    with pytest.raises(TypeError, match="kv must be"):
+        ZipKVCache(object())
+    with pytest.raises(TypeError, match="model must be"):
+        torch_zipkv.enable(object())
+    model32 = model.float()
+    cache = ZipKVCache.from_model(model32, max_length=32, page_size=PAGE)
+    with pytest.raises(ValueError, match="bfloat16"):
+        teacher_forced_logits(model32, "zipkv", torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
+                              torch.zeros(1, 0, dtype=torch.long), cache)

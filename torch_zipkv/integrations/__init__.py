@@ -1,0 +1,1 @@
+"""Integrations with model libraries, each imported on first use (``torch_zipkv.integrations.transformers``)."""

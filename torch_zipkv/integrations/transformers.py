@@ -1,0 +1,291 @@
+"""HuggingFace transformers (>= 5.0) on the compressed cache: a ``Cache`` and an attention implementation, "zipkv".
+
+    import torch_zipkv
+    model = torch_zipkv.enable(AutoModelForCausalLM.from_pretrained(...))     # or attn_implementation="zipkv"
+    cache = torch_zipkv.ZipKVCache.from_model(model, batch_size=2, max_length=512, max_new_tokens=64)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)           # past_key_values= works too
+
+Importing this module registers "zipkv" with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
+(``torch_zipkv.enable`` and ``torch_zipkv.ZipKVCache`` import it; import it yourself before
+``from_pretrained(..., attn_implementation="zipkv")``).
+
+How the attention function reaches the cache. transformers' attention modules (Llama, Qwen2/3, Mistral, Gemma 2/3,
+...) call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then ``attention_interface(module, q, k, v, mask,
+**kwargs)`` with the same ``kwargs`` dict. :meth:`ZipKVCache.update` stores the cache in that dict as
+``zipkv_cache`` and returns the new ``k, v`` unchanged; the "zipkv" attention function then does all the work for
+``module.layer_idx``:
+
+- prefill (query length > 1, empty cache): append each sequence's real tokens to its pages (pads, read from the
+  mask's diagonal, never enter the cache) and attend with transformers' own SDPA over the prompt's K/V and mask;
+- decode (query length 1): append the new token of every sequence, then ``paged_decode`` on the compressed pages.
+
+Sequences are added to the :class:`~torch_zipkv.CompressedPagedKVCache` at prefill, when their real lengths are known,
+each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compressed at the start of every decode
+step (layer 0's update), after the attention that read them; never inside the attention. Without a ``ZipKVCache``
+(``use_cache=False``, or another cache class), "zipkv" attention is plain SDPA.
+
+Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked prefill,
+continuing a conversation, assisted decoding), beam search and ``num_return_sequences > 1``, attention logit
+softcapping (Gemma 2), sliding-window layers once a sequence is longer than the window, and ``torch.compile`` of the
+decode step (host bookkeeping still runs inside ``update``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface, Cache
+from transformers.cache_utils import CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .. import format as fmt
+from ..cache import CompressedPagedKVCache
+
+ATTN_IMPLEMENTATION = "zipkv"
+_MiB = 1 << 20
+
+
+class _ZipKVLayer(CacheLayerMixin):
+    """Length bookkeeping of one layer for transformers (masks, ``get_seq_length``); the tokens live in the pages.
+
+    ``seen`` counts positions as transformers does (pads included), which is what its masks and ``generate`` expect.
+    """
+
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.is_initialized = False
+
+
+class ZipKVCache(Cache):
+    """A transformers ``Cache`` whose K/V live in a :class:`~torch_zipkv.CompressedPagedKVCache` (``self.kv``).
+
+    Use with a model whose attention implementation is "zipkv" (:func:`enable`). Build it with :meth:`from_model`,
+    or wrap a ``CompressedPagedKVCache`` whose geometry matches the model. One cache serves one batch of prompts;
+    :meth:`reset` frees its sequences for the next batch.
+
+    Args:
+        kv: the paged cache (its ``num_layers``, ``num_kv_heads`` and ``head_dim`` must match the model).
+        max_new_tokens: tokens each sequence may grow by after its prompt; reserved in the cache at prefill, so
+            generation never runs out of room. ``None`` reserves nothing beyond the prompt.
+    """
+
+    def __init__(self, kv: CompressedPagedKVCache, *, max_new_tokens: int | None = None):
+        if not isinstance(kv, CompressedPagedKVCache):
+            raise TypeError(f"kv must be a CompressedPagedKVCache, got {type(kv).__name__}")
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
+            raise ValueError(f"max_new_tokens must be None or an int >= 0, got {max_new_tokens!r}")
+        super().__init__(layers=[_ZipKVLayer() for _ in range(kv.num_layers)])
+        self.kv = kv
+        self.max_new_tokens = max_new_tokens
+        self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
+
+    @classmethod
+    def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
+                   max_new_tokens: int | None = None, max_bytes: int | None = None, page_size: int = 16,
+                   device=None) -> "ZipKVCache":
+        """A cache shaped for ``model`` (its text config: layers, KV heads, head_dim), on the model's device.
+
+        Size it with ``max_bytes`` (data + metadata, see :class:`~torch_zipkv.CompressedPagedKVCache`) or with
+        ``max_length``: room for ``batch_size`` sequences of ``max_length`` tokens (prompt + new tokens) stored raw,
+        so whatever compresses is headroom.
+        """
+        config = model.config.get_text_config()
+        num_layers = config.num_hidden_layers
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if device is None:
+            device = next(model.parameters()).device
+        fmt.check_geometry(page_size, head_dim)
+        if (max_bytes is None) == (max_length is None):
+            raise ValueError(f"give exactly one of max_bytes and max_length, got max_bytes={max_bytes!r}, "
+                             f"max_length={max_length!r}")
+        if max_length is not None:
+            for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if max_new_tokens is not None and max_new_tokens > max_length:
+                raise ValueError(f"max_new_tokens ({max_new_tokens}) exceeds max_length ({max_length}), which counts "
+                                 "prompt and new tokens")
+            kwargs = _raw_sizing(num_layers, num_kv_heads, head_dim, page_size, batch_size, max_length)
+        else:
+            kwargs = {"max_bytes": max_bytes}
+        kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device, **kwargs)
+        return cls(kv, max_new_tokens=max_new_tokens)
+
+    # ---- transformers' Cache interface ---------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Hand this cache to the attention function (through the attention module's kwargs) and return ``k, v``
+        unchanged: the "zipkv" attention appends them to the pages. Compresses full pages before each decode step."""
+        forward_kwargs = kwargs.get("kwargs")
+        if not isinstance(forward_kwargs, dict):
+            raise RuntimeError(
+                "ZipKVCache.update was called without the attention module's kwargs (`kwargs=kwargs`), so the "
+                "'zipkv' attention cannot reach the cache; this model's attention is not supported")
+        if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is None and self.layers[0].seen:
+            raise RuntimeError(
+                "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not 'zipkv' "
+                "(call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
+        if layer_idx == 0 and key_states.shape[-2] == 1:
+            self.kv.compress_full_pages()  # pages filled by the last step, now read by all its attention calls
+        forward_kwargs["zipkv_cache"] = self
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def reset(self) -> None:
+        """Free every sequence, so the cache can take the next batch."""
+        for sid in self.seq_ids or ():
+            self.kv.free_sequence(sid)
+        self.seq_ids = None
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("ZipKVCache cannot crop (assisted decoding is not supported)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("ZipKVCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("ZipKVCache does not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("ZipKVCache does not support selecting batch rows")
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.seq_ids is None else len(self.seq_ids)
+
+    def stats(self) -> dict:
+        """The paged cache's :meth:`~torch_zipkv.CompressedPagedKVCache.stats`."""
+        return self.kv.stats()
+
+    # ---- attention -----------------------------------------------------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, *, scaling, sliding_window, softcap, kwargs):
+        """The "zipkv" attention of ``module.layer_idx`` (see the module docstring). Returns ``(out, None)``,
+        ``out`` [batch, q_len, Hq, D]."""
+        layer = module.layer_idx
+        if softcap is not None:
+            raise NotImplementedError(f"'zipkv' attention does not support softcap (got softcap={softcap}); "
+                                      "use attn_implementation='eager' for this model")
+        if query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16:
+            raise ValueError(f"'zipkv' attention needs a bfloat16 model, got query {query.dtype} and key {key.dtype}")
+        if query.shape[2] > 1:
+            self._prefill(layer, key, value, attention_mask)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          sliding_window=sliding_window, **kwargs)
+        if self.seq_ids is None:
+            raise RuntimeError("'zipkv' decode step before any prefill into this ZipKVCache")
+        if sliding_window is not None and self.layers[layer].seen > sliding_window:
+            raise NotImplementedError(f"layer {layer} has a sliding window of {sliding_window} tokens and sequences "
+                                      "have grown past it; sliding windows are not supported yet")
+        if query.shape[0] != len(self.seq_ids):
+            raise ValueError(f"query has batch {query.shape[0]}, the cache holds {len(self.seq_ids)} sequences")
+        # [B, H, 1, D] -> [B, H, D]
+        self.kv.append(layer, self.seq_ids, key[:, :, 0].contiguous(), value[:, :, 0].contiguous())
+        out = self.kv.decode(layer, query[:, :, 0].contiguous(), self.seq_ids, sm_scale=scaling)
+        return out.unsqueeze(1), None
+
+    def _prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, attention_mask) -> None:
+        if self.layers[layer].seen != key.shape[2]:
+            raise NotImplementedError("'zipkv' prefill into a non-empty ZipKVCache (chunked prefill, a continued "
+                                      "conversation, assisted decoding) is not supported; call cache.reset() first")
+        real = _real_tokens(attention_mask, key.shape[0], key.shape[2], key.device)  # bool [B, L]
+        if layer == 0:
+            if self.seq_ids is not None:
+                raise NotImplementedError("ZipKVCache already holds sequences; call cache.reset() first")
+            counts = real.sum(1).tolist()
+            self.seq_ids = [self.kv.add_sequence(prompt_len=n, max_new_tokens=self.max_new_tokens or 0)
+                            for n in counts]
+        elif self.seq_ids is None or len(self.seq_ids) != key.shape[0]:
+            raise RuntimeError(f"'zipkv' prefill reached layer {layer} before layer 0")
+        for row, sid in enumerate(self.seq_ids):
+            keep = real[row]
+            # [H, L, D] -> [n, H, D], real tokens only
+            self.kv.append(layer, sid, key[row][:, keep].transpose(0, 1), value[row][:, keep].transpose(0, 1))
+
+
+def _real_tokens(attention_mask, batch: int, length: int, device) -> torch.Tensor:
+    """bool [batch, length]: which prompt positions are real tokens. With an empty cache, position i attends to itself
+    exactly when it is not padding, so this is the diagonal of the 4D mask (bool: True = attend; float: 0 = attend).
+    No mask means no padding."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or \
+            attention_mask.shape[-2:] != (length, length):
+        raise ValueError(f"'zipkv' prefill needs a 4D attention_mask [batch, 1, {length}, {length}], got "
+                         f"{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}")
+    diag = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    real = diag if diag.dtype == torch.bool else diag == 0
+    return real.expand(batch, length)
+
+
+def _raw_sizing(num_layers, num_kv_heads, head_dim, page_size, batch_size, max_length) -> dict:
+    """CompressedPagedKVCache arguments with room for ``batch_size`` sequences of ``max_length`` tokens, raw."""
+    page_bytes = 2 * page_size * num_kv_heads * head_dim * 2
+    pages = batch_size * math.ceil(max_length / page_size)  # per layer
+    per_chunk = max(1, min(4 * _MiB // page_bytes, math.ceil(pages / 4)))
+    # Each layer may hold one partly used slot chunk and one packed chunk beyond its pages.
+    num_chunks = num_layers * (math.ceil(pages / per_chunk) + 2)
+    max_pages = pages + batch_size
+    id_bytes = num_layers * 2 * num_kv_heads * fmt.meta_words(page_size, head_dim) * 4
+    return {"max_bytes": num_chunks * per_chunk * page_bytes + max_pages * id_bytes,
+            "chunk_bytes": per_chunk * page_bytes, "max_pages": max_pages}
+
+
+def zipkv_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, zipkv_cache: ZipKVCache | None = None, **kwargs):
+    """transformers attention function "zipkv": decode from the compressed pages of the ``ZipKVCache`` that
+    :meth:`ZipKVCache.update` put in ``kwargs``; plain SDPA when there is none."""
+    if zipkv_cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
+    if dropout:
+        raise ValueError(f"'zipkv' attention is for inference: dropout must be 0, got {dropout}")
+    return zipkv_cache.attend(module, query, key, value, attention_mask, scaling=scaling,
+                              sliding_window=sliding_window, softcap=softcap, kwargs=kwargs)
+
+
+def enable(model):
+    """Switch ``model`` (a transformers ``PreTrainedModel``) to the "zipkv" attention, in place; returns it."""
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise RuntimeError(f"{type(model).__name__} kept attn_implementation={model.config._attn_implementation!r}: "
+                           "it does not dispatch attention through transformers' AttentionInterface")
+    return model
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, zipkv_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
