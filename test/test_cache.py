@@ -11,15 +11,16 @@ from torch_zipkv import CacheFullError, CompressedPagedKVCache, ops
 from torch_zipkv import format as fmt
 
 from cache_oracle import bits, check_accounting, check_contents, check_layout, decode_reference, rel_err, tokens
+from conftest import requires_cuda
 
 H, D, P = 2, 64, 16
 PAGE_BYTES = 2 * P * H * D * 2
 
 
-def make(layers=2, chunks=16, chunk_pages=4, max_pages=256):
+def make(layers=2, chunks=16, chunk_pages=4, max_pages=256, device="cpu"):
     """A cache of exactly ``chunks`` chunks of ``chunk_pages`` raw pages each."""
     id_bytes = layers * 2 * H * fmt.meta_words(P, D) * 4
-    cache = CompressedPagedKVCache(layers, H, D, page_size=P, device="cpu", chunk_bytes=chunk_pages * PAGE_BYTES,
+    cache = CompressedPagedKVCache(layers, H, D, page_size=P, device=device, chunk_bytes=chunk_pages * PAGE_BYTES,
                                    max_bytes=chunks * chunk_pages * PAGE_BYTES + max_pages * id_bytes,
                                    max_pages=max_pages)
     assert cache._arena.num_chunks == chunks
@@ -381,3 +382,40 @@ def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
     with pytest.raises(CacheFullError, match="needs 2 new raw pages"):
         cache.prepare_step([s, t])  # both need a second page in both layers, beyond any budget
     assert cache.stats() == before and torch.equal(cache._meta, meta)
+
+
+@requires_cuda
+def test_the_same_workload_on_cuda_gives_the_cpu_cache_byte_for_byte(gen):
+    """The cache's host logic drives the CUDA ops exactly as the CPU ones: same arena bytes and meta after prefill,
+    planned and per-layer decode steps, compression and compaction; gather is exact and attention agrees."""
+    caches = [make(layers=2, chunks=40, device=d) for d in ("cpu", "cuda")]
+    lens = [3, 16, 40, 75]
+    sids = [[c.add_sequence(n, 40) for n in lens] for c in caches]
+    for layer in range(2):
+        for i, n in enumerate(lens):
+            k, v = tokens(10 * layer + i, n, H, D, kind=1)
+            for c, s in zip(caches, sids):
+                c.append(layer, s[i], k.to(c.device), v.to(c.device))
+    for step in range(30):
+        q = torch.randn(len(lens), 2 * H, D, generator=gen).bfloat16()
+        outs = []
+        for c, s in zip(caches, sids):
+            plan = c.prepare_step(s) if step % 2 else None
+            for layer in range(2):
+                k, v = (x.to(c.device) for x in tokens(1000 + 10 * step + layer, len(lens), H, D, kind=1))
+                if plan is None:
+                    c.append(layer, s, k, v)
+                    outs.append(c.decode(layer, q.to(c.device), s).cpu())
+                else:
+                    c.step_append(layer, plan, k, v)
+                    outs.append(c.step_decode(layer, plan, q.to(c.device)).cpu())
+        assert all(rel_err(g, cpu.double()) < 1e-2 for cpu, g in zip(outs[:2], outs[2:]))
+        if step % 5 == 4:
+            assert caches[0].compress_full_pages() == caches[1].compress_full_pages()
+        if step == 20:
+            assert caches[0].compact() == caches[1].compact()
+    cpu, cuda = caches
+    assert torch.equal(cpu.data, cuda.data.cpu()) and torch.equal(cpu._meta, cuda._meta.cpu())
+    for layer in range(2):
+        for a, b in zip(sids[0], sids[1]):
+            assert all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(cpu.gather(layer, a), cuda.gather(layer, b)))
