@@ -83,6 +83,12 @@ def real_kv():
     path = os.environ.get("ZIPKV_REAL_KV")
     if path:
         return torch.load(path, weights_only=True)["kv"]
+    return require_smollm2().real_kv(2048, page_size=16)
+
+
+def require_smollm2():
+    """torch_zipkv.realkv once the SmolLM2 package is found; skips the test without it (fails under
+    ZIPKV_REQUIRE_MODEL=1, as in CI)."""
     from torch_zipkv import realkv
 
     try:
@@ -91,7 +97,7 @@ def real_kv():
         if os.environ.get("ZIPKV_REQUIRE_MODEL") == "1":
             raise
         pytest.skip(str(e))
-    return realkv.real_kv(2048, page_size=16)
+    return realkv
 
 
 def spread_layers(real_kv) -> list[int]:

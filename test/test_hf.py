@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,21 +11,15 @@ transformers = pytest.importorskip("transformers")
 import torch_zipkv  # noqa: E402
 from torch_zipkv.integrations.transformers import ZipKVCache  # noqa: E402  (registers "zipkv")
 
+from conftest import require_smollm2  # noqa: E402
+
 PAGE = 16
 NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from torch_zipkv import realkv
-
-    try:
-        realkv.smollm2_gguf_path()
-    except ModuleNotFoundError as e:
-        if os.environ.get("ZIPKV_REQUIRE_MODEL") == "1":
-            raise
-        pytest.skip(str(e))
-    model, tok = realkv.load_smollm2()
+    model, tok = require_smollm2().load_smollm2()
     tok.padding_side = "left"
     return model, tok
 
