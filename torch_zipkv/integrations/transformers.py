@@ -104,6 +104,7 @@ class ZipKVCache(Cache):
         self.kv = kv
         self.max_new_tokens = max_new_tokens
         self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
+        self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step), set at layer 0's update
 
     @classmethod
     def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
@@ -152,8 +153,9 @@ class ZipKVCache(Cache):
             raise RuntimeError(
                 "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not 'zipkv' "
                 "(call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
-        if layer_idx == 0 and key_states.shape[-2] == 1:
+        if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is not None:
             self.kv.compress_full_pages()  # pages filled by the last step, now read by all its attention calls
+            self.step = self.kv.prepare_step(self.seq_ids)  # this step's pages and page table, for every layer
         forward_kwargs["zipkv_cache"] = self
         return self.layers[layer_idx].update(key_states, value_states)
 
@@ -161,7 +163,7 @@ class ZipKVCache(Cache):
         """Free every sequence, so the cache can take the next batch."""
         for sid in self.seq_ids or ():
             self.kv.free_sequence(sid)
-        self.seq_ids = None
+        self.seq_ids = self.step = None
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -210,9 +212,9 @@ class ZipKVCache(Cache):
                                       "have grown past it; sliding windows are not supported yet")
         if query.shape[0] != len(self.seq_ids):
             raise ValueError(f"query has batch {query.shape[0]}, the cache holds {len(self.seq_ids)} sequences")
-        # [B, H, 1, D] -> [B, H, D]
-        self.kv.append(layer, self.seq_ids, key[:, :, 0].contiguous(), value[:, :, 0].contiguous())
-        out = self.kv.decode(layer, query[:, :, 0].contiguous(), self.seq_ids, sm_scale=scaling)
+        # [B, H, 1, D] -> [B, H, D]; the step was planned for all layers at layer 0's update: no host work here
+        self.kv.step_append(layer, self.step, key[:, :, 0].contiguous(), value[:, :, 0].contiguous())
+        out = self.kv.step_decode(layer, self.step, query[:, :, 0].contiguous(), sm_scale=scaling)
         return out.unsqueeze(1), None
 
     def _prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, attention_mask) -> None:
