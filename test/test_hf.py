@@ -205,3 +205,41 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="bfloat16"):
         teacher_forced_logits(model32, "zipkv", torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
                               torch.zeros(1, 0, dtype=torch.long), cache)
+
+
+def test_decode_step_compiles_with_fullgraph_and_no_recompiles(gen):
+    """With the host work done by ZipKVCache.begin_step() before each step, a decode step of an HF model traces as
+    one graph (fullgraph=True raises on any break), stops recompiling after its first steps, and gives the eager
+    zipkv logits across page boundaries and compressions."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = small_model("qwen3")
+    torch_zipkv.enable(model)
+    caches = [ZipKVCache.from_model(model, batch_size=2, max_length=96, max_new_tokens=40) for _ in range(2)]
+    ids = torch.randint(0, 512, (2, 13), generator=gen)
+    with torch.no_grad():
+        for cache in caches:
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+    def step(cache, input_ids, position_ids, cache_position):
+        return model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
+                     past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True)
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    graphs = []
+    with torch.no_grad():
+        for t in range(24):  # positions 13..36: pages fill at 16 and 32, and compress between steps
+            pos, cache_position = torch.full((2, 1), 13 + t), torch.tensor([13 + t])
+            caches[0].begin_step()
+            got = compiled(caches[0], token, pos, cache_position)
+            want = step(caches[1], token, pos, cache_position)
+            assert (got.float() - want.float()).abs().max() < 0.05, t
+            token = want[:, -1].argmax(-1, keepdim=True)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[4] <= 3, graphs  # no recompiles after the first steps
+    stats = [cache.stats() for cache in caches]  # compiled K/V may round differently, so compare sizes loosely
+    assert stats[0]["tokens"] == stats[1]["tokens"] == 2 * 2 * (13 + 24)  # 2 layers x 2 sequences
+    assert all(x["stored_bytes"] < 0.9 * x["raw_bytes"] for x in stats)

@@ -24,10 +24,14 @@ each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compres
 step (layer 0's update), after the attention that read them; never inside the attention. Without a ``ZipKVCache``
 (``use_cache=False``, or another cache class), "zipkv" attention is plain SDPA.
 
+Compiling a decode step: call :meth:`ZipKVCache.begin_step` before it (compression of full pages and the step's
+plan, host work), pass ``position_ids`` and ``cache_position``, and the step itself is tensor ops only —
+``torch.compile(fullgraph=True)`` traces it as one graph (the "zipkv" mask function returns no mask for a decode
+step; ``paged_decode`` attends to exactly the stored tokens).
+
 Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked prefill,
 continuing a conversation, assisted decoding), beam search and ``num_return_sequences > 1``, attention logit
-softcapping (Gemma 2), sliding-window layers once a sequence is longer than the window, and ``torch.compile`` of the
-decode step (host bookkeeping still runs inside ``update``).
+softcapping (Gemma 2), and sliding-window layers once a sequence is longer than the window.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ class ZipKVCache(Cache):
         self.kv = kv
         self.max_new_tokens = max_new_tokens
         self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
-        self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step), set at layer 0's update
+        self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step)
+        self.planned = False  # begin_step ran for the coming decode step
 
     @classmethod
     def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
@@ -153,11 +158,23 @@ class ZipKVCache(Cache):
             raise RuntimeError(
                 "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not 'zipkv' "
                 "(call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
-        if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is not None:
-            self.kv.compress_full_pages()  # pages filled by the last step, now read by all its attention calls
-            self.step = self.kv.prepare_step(self.seq_ids)  # this step's pages and page table, for every layer
+        if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is not None and not self.planned:
+            self.begin_step()
+        if layer_idx == len(self.layers) - 1:
+            self.planned = False  # the next decode step plans again (eagerly here, or by an explicit begin_step)
         forward_kwargs["zipkv_cache"] = self
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def begin_step(self) -> None:
+        """Host work of one decode step, for every layer: compress the pages the last step filled (after the
+        attention that read them), then plan where each sequence's next token goes and the page table
+        (:meth:`~torch_zipkv.CompressedPagedKVCache.prepare_step`). A decode step's layer-0 update calls it; call it
+        yourself before a compiled or graph-captured decode step, so the step itself only runs tensor ops."""
+        if self.seq_ids is None:
+            raise RuntimeError("ZipKVCache.begin_step before any prefill")
+        self.kv.compress_full_pages()
+        self.step = self.kv.prepare_step(self.seq_ids)
+        self.planned = True
 
     def reset(self) -> None:
         """Free every sequence, so the cache can take the next batch."""
@@ -290,4 +307,12 @@ def enable(model):
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, zipkv_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+def zipkv_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
+    """transformers mask function "zipkv": SDPA's mask for prefill; none for a decode step, where paged_decode
+    attends to exactly each sequence's stored tokens (pads never enter the cache)."""
+    if q_length == 1:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, **kwargs)
+
+
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, zipkv_mask)
