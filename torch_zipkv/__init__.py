@@ -21,9 +21,9 @@ from .compressed_kv import CompressedKV, compress, decompress, paged_decode
 from .format import FORMAT_VERSION
 
 __all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION",
-           "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable"]
+           "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable", "generate"]
 
-_TRANSFORMERS_NAMES = ("ZipKVCache", "enable")
+_TRANSFORMERS_NAMES = ("ZipKVCache", "enable", "generate")
 
 
 def __getattr__(name: str):

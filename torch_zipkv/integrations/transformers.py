@@ -295,6 +295,67 @@ def zipkv_attention_forward(module, query, key, value, attention_mask, dropout: 
                               sliding_window=sliding_window, softcap=softcap, kwargs=kwargs)
 
 
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
+             cache: ZipKVCache | None = None, compile: bool | str = False, do_sample: bool = False,
+             temperature: float = 1.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
+             return_logits: bool = False):
+    """Decode loop on the compressed cache whose per-step host work runs outside the model call, so the decode step
+    can be compiled: ``compile=True`` (``torch.compile(fullgraph=True)``) or a mode string such as
+    ``"reduce-overhead"`` (CUDA Graphs). Greedy by default; ``do_sample`` samples at ``temperature``.
+
+    ``input_ids`` / ``attention_mask``: [batch, L] with left padding. The prompt is prefilled eagerly into ``cache``
+    (a fresh ``ZipKVCache.from_model`` sized for the batch if None); then every step: ``cache.begin_step()`` on the
+    host, one model call for one token per sequence. Returns the tokens [batch, L + new] (after ``eos_token_id`` a
+    finished sequence repeats it), and the per-step logits [batch, new, vocab] if ``return_logits``.
+    """
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError("model must use the 'zipkv' attention: call torch_zipkv.enable(model) first")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got "
+                         f"{tuple(attention_mask.shape)}")
+    if cache is None:
+        cache = ZipKVCache.from_model(model, batch_size=batch, max_length=length + max_new_tokens,
+                                      max_new_tokens=max_new_tokens)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=cache, use_cache=True).logits[:, -1]
+
+    def step(token, position, cache_position):
+        return model(input_ids=token, position_ids=position, cache_position=cache_position, past_key_values=cache,
+                     use_cache=True).logits[:, -1]
+
+    if compile:
+        step = torch.compile(step, fullgraph=True, mode=compile if isinstance(compile, str) else None)
+    tokens, seen, done = [input_ids], [], torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    position = position_ids[:, -1:] + 1
+    for t in range(max_new_tokens):
+        seen.append(logits)
+        if do_sample:
+            probs = torch.softmax(logits.float() / temperature, -1)
+            token = torch.multinomial(probs, 1, generator=generator)
+        else:
+            token = logits.argmax(-1, keepdim=True)
+        if eos_token_id is not None:
+            token = torch.where(done[:, None], torch.full_like(token, eos_token_id), token)
+            done |= token[:, 0] == eos_token_id
+        tokens.append(token)
+        if t + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            break
+        cache.begin_step()
+        logits = step(token, position, torch.tensor([length + t], device=input_ids.device))
+        position = position + 1
+    out = torch.cat(tokens, 1)
+    return (out, torch.stack(seen, 1)) if return_logits else out
+
+
 def enable(model):
     """Switch ``model`` (a transformers ``PreTrainedModel``) to the "zipkv" attention, in place; returns it."""
     if not hasattr(model, "set_attn_implementation"):
