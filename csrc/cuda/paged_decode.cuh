@@ -477,8 +477,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kerne
     }
     if constexpr (kHalves == 1) pa[1] = pa[3] = 0u;
 
-    // Tokens past the end of a partial tile may hold anything (even NaN bit patterns): zero their V values, as
-    // 0 * NaN would poison the product although their probability is 0.
     uint32_t vr[kB][8];
     rebuild_blocks(kB, vr);
     if (valid < kTileTokens) {
