@@ -48,15 +48,10 @@ def timed_steps(step, steps: int, sync) -> float:
     return statistics.median(times)
 
 
-def transformers_path(model, batch, ctx, steps, device, compile_mode, sync) -> float:
-    cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
+def time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync, before_step=None) -> float:
+    """Median seconds per decode step (one token per sequence after ``ctx`` cached ones), the step compiled with
+    ``compile_mode`` (eager if None); ``before_step`` runs on the host first and counts toward the step."""
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    with torch.no_grad():  # one token initializes the static tensors; then they hold ctx random tokens
-        model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([0], device=device))
-        for layer in cache.layers:
-            layer.keys[:, :, :ctx].normal_()
-            layer.values[:, :, :ctx].normal_()
-            layer.cumulative_length.fill_(ctx)
 
     def forward(token, position, cache_position):
         return model(input_ids=token, position_ids=position, cache_position=cache_position, past_key_values=cache,
@@ -67,9 +62,23 @@ def transformers_path(model, batch, ctx, steps, device, compile_mode, sync) -> f
     def step(i):
         with torch.no_grad():
             p = ctx + i
+            if before_step is not None:
+                before_step()
             fn(token, torch.full((batch, 1), p, device=device), torch.tensor([p], device=device))
 
     return timed_steps(step, steps, sync)
+
+
+def transformers_path(model, batch, ctx, steps, device, compile_mode, sync) -> float:
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    with torch.no_grad():  # one token initializes the static tensors; then they hold ctx random tokens
+        model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([0], device=device))
+        for layer in cache.layers:
+            layer.keys[:, :, :ctx].normal_()
+            layer.values[:, :, :ctx].normal_()
+            layer.cumulative_length.fill_(ctx)
+    return time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync)
 
 
 def zipkv_path(model, batch, ctx, steps, device, compile_mode, sync) -> tuple[float, dict]:
@@ -85,21 +94,7 @@ def zipkv_path(model, batch, ctx, steps, device, compile_mode, sync) -> tuple[fl
         cache.layers[layer].seen = ctx
         cache.layers[layer].is_initialized = True
     kv.compress_full_pages()
-    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-
-    def forward(token, position, cache_position):
-        return model(input_ids=token, position_ids=position, cache_position=cache_position, past_key_values=cache,
-                     use_cache=True).logits[:, -1]
-
-    fn = torch.compile(forward, mode=compile_mode, fullgraph=True) if compile_mode else forward
-
-    def step(i):
-        with torch.no_grad():
-            p = ctx + i
-            cache.begin_step()
-            fn(token, torch.full((batch, 1), p, device=device), torch.tensor([p], device=device))
-
-    return timed_steps(step, steps, sync), kv.stats()
+    return time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync, cache.begin_step), kv.stats()
 
 
 def main() -> None:
@@ -142,8 +137,8 @@ def main() -> None:
               f"{row['zipkv_ms']:.1f} ms/step ({row['speedup']:.2f}x; {row['zipkv_tok_s']:.0f} tok/s); raw-bytes floor "
               f"{row['raw_bytes_floor_ms']:.1f} ms (zipkv at {row['zipkv_vs_floor']:.2f}x of it); KV ratio "
               f"{row['kv_ratio']:.3f}", flush=True)
-        del stats
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     result = {"benchmark": "bench_hf", "command": "python " + " ".join(sys.argv), "device": str(device),
               "torch": torch.__version__, "transformers": transformers.__version__, "compile": compile_mode,
               "model": "tiny" if args.tiny else "llama-3.1-8b architecture, random bf16 weights", "rows": rows}

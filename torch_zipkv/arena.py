@@ -65,16 +65,19 @@ class Arena:
             short = short + extra
         return int(np.maximum(0, -(-short // self.slots_per_chunk)).sum())
 
-    def fits(self, layer: int, pages: int) -> bool:
-        """Whether ``layer`` can take ``pages`` raw pages beyond its promises without breaking any promise."""
-        if pages <= 0 or pages <= self.free_slot_count[layer] - self.reserved[layer]:
-            return True  # promised pages always fit; or its own free slots cover the promises and these
+    def fits(self, layers: list[int], pages: int) -> bool:
+        """Whether each of ``layers`` can take ``pages`` raw pages beyond its promises, all at once, without breaking
+        any promise."""
+        # Promised pages always fit; so do these where a layer's own free slots cover its promises and them.
+        short = [layer for layer in layers if pages > self.free_slot_count[layer] - self.reserved[layer]]
+        if pages <= 0 or not short:
+            return True
         extra = np.zeros(self.num_layers, dtype=np.int64)
-        extra[layer] = pages
+        extra[short] = pages
         return self.pool_need(extra) <= len(self.pool)
 
     def spare_pages(self, layer: int) -> int:
-        """The most raw pages ``layer`` can take beyond its promises (the largest n with ``fits(layer, n)``)."""
+        """The most raw pages ``layer`` can take beyond its promises (the largest n with ``fits([layer], n)``)."""
         own = max(0, -(-(self.reserved[layer] - self.free_slot_count[layer]) // self.slots_per_chunk))
         chunks = len(self.pool) - (self.pool_need() - own)  # pool chunks the other layers' promises leave
         return max(0, self.free_slot_count[layer] + chunks * self.slots_per_chunk - self.reserved[layer])

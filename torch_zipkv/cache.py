@@ -269,11 +269,7 @@ class CompressedPagedKVCache:
         if n == 0:
             return
         start = self._len[batch.rows, layer]
-        key = (batch.key, single, n, start.tobytes())
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(batch, start, np.array([n]) if single else np.ones(n, dtype=np.int64))
-            _remember(self._plans, key, plan)
+        plan = self._plan(batch, start, single, n)
         self._open_pages([layer], batch, plan)
         self._plan_tensors(batch, plan)
         ops.append_kv(k.contiguous(), v.contiguous(), plan.page_ids, plan.slots, self.page_size, self.data,
@@ -334,11 +330,7 @@ class CompressedPagedKVCache:
         if not (lens == start[:, None]).all():
             raise ValueError("prepare_step needs every layer at the same length for these sequences; use append() "
                              "per layer otherwise")
-        key = (batch.key, False, len(batch.seqs), start.tobytes())
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(batch, start, np.ones(len(batch.seqs), dtype=np.int64))
-            _remember(self._plans, key, plan)
+        plan = self._plan(batch, start, False, len(batch.seqs))
         self._open_pages(list(range(self.num_layers)), batch, plan)
         self._plan_tensors(batch, plan)
         self._len[batch.rows] = plan.end[:, None]
@@ -533,7 +525,17 @@ class CompressedPagedKVCache:
                 f"{sum(a.reserved)} pages promised to {len(self._seqs)} running sequences")
 
     # ---- helpers ---------------------------------------------------------------------------------------------
-    def _plan(self, batch: _Batch, start: np.ndarray, counts: np.ndarray) -> _Plan:
+    def _plan(self, batch: _Batch, start: np.ndarray, single: bool, n: int) -> _Plan:
+        """The plan of appending n tokens to ``batch`` (all to its one sequence if ``single``, else one each) from
+        lengths ``start``; the same for every layer at those lengths, so it is built once and remembered."""
+        key = (batch.key, single, n, start.tobytes())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build_plan(start, np.array([n]) if single else np.ones(n, dtype=np.int64))
+            _remember(self._plans, key, plan)
+        return plan
+
+    def _build_plan(self, start: np.ndarray, counts: np.ndarray) -> _Plan:
         P = self.page_size
         end = start + counts
         if (counts == 1).all():  # a decode step: a token opens a page at slot 0 and fills it at slot P - 1
@@ -564,14 +566,9 @@ class CompressedPagedKVCache:
                                  f"budgets, {free} are free ({len(self._free_ids)} of "
                                  f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
                                  requested=ids_beyond, free=free, unit="page ids")
-        short = [layer for layer in layers if not self._arena.fits(layer, beyond)] if beyond else []
-        if not short and beyond and len(layers) > 1:  # each fits alone; together they may need too many chunks
-            extra = np.zeros(self.num_layers, dtype=np.int64)
-            extra[[layer for layer in layers
-                   if beyond > self._arena.free_slot_count[layer] - self._arena.reserved[layer]]] = beyond
-            short = layers[:1] if self._arena.pool_need(extra) > len(self._arena.pool) else []
-        if short:
-            layer = short[0]
+        if not self._arena.fits(layers, beyond):
+            # Name a layer that cannot take them alone; if each can, they only fail together: name the first.
+            layer = next((x for x in layers if not self._arena.fits([x], beyond)), layers[0])
             free = self._arena.spare_pages(layer)
             raise CacheFullError(f"append to layer {layer}: needs {len(new)} new raw pages, {beyond} of them beyond "
                                  f"the sequences' budgets, but only {free} can be taken without breaking promises "

@@ -19,22 +19,22 @@ void set_smem_limit() {
   (void)done;
 }
 
+template <int D, int kHalves>
+int occupancy() {
+  // Once per instantiation, like the shared-memory limit it depends on.
+  static const int n = [] {
+    set_smem_limit<D, kHalves>();
+    int ctas = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, kHalves>, kThreads,
+                                                                 Cfg<D>::kSmemBytes));
+    return ctas;
+  }();
+  return n;
+}
+
 template <int D>
 int ctas_per_sm(int group) {
-  // Both variants use the same shared memory, which is what bounds residency; ask for the one that will run.
-  auto query = [](auto kernel) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, Cfg<D>::kSmemBytes));
-    return n;
-  };
-  if (group > 8) {
-    set_smem_limit<D, 2>();
-    static const int n = query(paged_decode_kernel<D, 2>);
-    return n;
-  }
-  set_smem_limit<D, 1>();
-  static const int n = query(paged_decode_kernel<D, 1>);
-  return n;
+  return group > 8 ? occupancy<D, 2>() : occupancy<D, 1>();
 }
 
 template <int D>
