@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="two cases only")
+    parser.add_argument("--cases", help="instead of the grid: shape:context:batch,... (shape llama or smollm2)")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer baseline (JIT-compiles)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -200,6 +201,9 @@ def main() -> None:
     cases = [(LLAMA, c, b) for c in (2048, 8192) for b in (32, 64, 96)] + [(SMOLLM2, 8192, 64)]
     if args.quick:
         cases = [(LLAMA, 8192, 64), (SMOLLM2, 8192, 64)]
+    if args.cases:
+        shapes = {"llama": LLAMA, "smollm2": SMOLLM2}
+        cases = [(shapes[s], int(c), int(b)) for s, c, b in (x.split(":") for x in args.cases.split(","))]
     rows = []
     hdr = f"{'shape':10} {'ctx':>5} {'bs':>3} | " + " ".join(
         f"{n:>14}" for n in ("zipkv_random", "zipkv_real", "zipkv_raw", "fi_cuda_core", "fi_tensor", "sdpa")) + \
@@ -217,7 +221,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {
         "benchmark": "bench_decode",
-        "command": "python benchmarks/bench_decode.py --out DIR" + (" --quick" if args.quick else ""),
+        "command": "python " + " ".join(sys.argv),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "iters": args.iters,

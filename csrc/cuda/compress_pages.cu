@@ -1,6 +1,7 @@
 // CUDA kernel of zipkv::compress_pages, one pass over the input: each CTA encodes whole streams, learns where its
 // bytes go through a decoupled look-back over the CTAs before it (ordered by a ticket, so the layout is the CPU
 // kernel's: streams back to back from cursor[0]), then writes. No host sync: capturable in a CUDA Graph.
+// (benchmarks/NOTES.md has the versions and what each measured.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,7 +15,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarp;
-constexpr int kBlocksPerCta = 16;  // whole streams, at least this many blocks (one stream if a stream has more)
+constexpr int kBlocksPerCta = 32;  // whole streams, up to this many blocks (one stream if a stream has more)
 // Look-back status words: flag in the top 2 bits, a byte count in the low 62.
 constexpr uint64_t kFlagAggregate = uint64_t{1} << 62, kFlagPrefix = uint64_t{2} << 62, kValueMask = kFlagAggregate - 1;
 
@@ -57,105 +58,151 @@ __device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggr
   return exclusive;
 }
 
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// One CTA: whole streams, up to kWarps x kMaxBlocksPerWarp blocks. The input goes straight to shared memory with
+// cp.async (all of the CTA's loads in flight at once, no registers held), each warp staging its blocks; the values
+// are read from there twice (exponent range, then encode), which costs shared-memory bandwidth, not HBM.
+// Compressing, a CTA learns where its bytes go from the CTAs before it (look-back, in ticket order); storing raw,
+// every size is known, so it goes straight to its place and the last CTA to finish advances the cursor.
 template <int kMaxBlocksPerWarp>
-__global__ void __launch_bounds__(kThreads, kMaxBlocksPerWarp <= 2 ? 4 : 1) compress_pages_kernel(
+__global__ void __launch_bounds__(kThreads) compress_pages_kernel(
     const uint16_t* __restrict__ kv,  // [n, 2, P, H, D]
     const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
     int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages, int64_t* __restrict__ cursor, Scratch* scratch,
     int64_t num_streams, int P, int H, int D, int words, int streams_per_cta, unsigned int num_ctas) {
-  __shared__ uint32_t stage[kWarps][kStageWords];
-  __shared__ uint8_t desc_s[kWarps * kMaxBlocksPerWarp];
-  __shared__ int32_t block_off_s[kWarps * kMaxBlocksPerWarp + 1];
-  __shared__ int64_t stream_start_s[kBlocksPerCta + 1];
+  constexpr int kMaxBlocks = kWarps * kMaxBlocksPerWarp;
+  extern __shared__ __align__(16) uint32_t stage[];  // [kWarps][kMaxBlocksPerWarp][kStageWords]
+  __shared__ uint8_t desc_s[kMaxBlocks];
+  __shared__ int32_t block_off_s[kMaxBlocks + 1];
+  __shared__ int64_t stream_start_s[kMaxBlocks + 1];
   __shared__ unsigned int ticket_s;
   __shared__ int64_t base_s, limit_s;
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (threadIdx.x == 0) ticket_s = atomicAdd(&scratch->ticket, 1u);
-  __syncthreads();
-  const unsigned int ticket = ticket_s;
+  if (allow_compress) {
+    if (threadIdx.x == 0) ticket_s = atomicAdd(&scratch->ticket, 1u);
+    __syncthreads();
+  }
+  const unsigned int ticket = allow_compress ? ticket_s : blockIdx.x;
   const int nb = blocks_per_stream(P, D);
   const int64_t first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
   const int cta_streams = static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
   const int cta_blocks = cta_streams * nb;
+  auto stage_of = [&](int k) { return stage + (warp * kMaxBlocksPerWarp + k) * kStageWords; };
 
-  // Encode pass: each warp takes blocks warp, warp + 8, ..., issues all their loads first (bytes in flight hide
-  // HBM latency), then stages each in shared memory to regroup it into lane order, kept in registers.
-  uint4 chunks[kMaxBlocksPerWarp][2];
-#pragma unroll
-  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-    const int x = warp + kWarps * k;
-    if (x < cta_blocks)
-      load_block_chunks(kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D), static_cast<int64_t>(H) * D,
-                        lane, chunks[k]);
-  }
-  uint16_t vals[kMaxBlocksPerWarp][16];
+  // Load: warp w stages blocks w, w + 8, ...
 #pragma unroll
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
     const int x = warp + kWarps * k;
     if (x >= cta_blocks) break;
-    const int is_v = ((first_stream + x / nb) / H) % 2;
-    stage_block_chunks(chunks[k], stage[warp], lane);
-    __syncwarp();
-    gather_lane_values(stage[warp], is_v, lane, vals[k]);
-    __syncwarp();
-    int emin = 255, emax = 0;
+    const uint16_t* src = kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D);
 #pragma unroll
-    for (int idx = 0; idx < 16; ++idx) emin = min(emin, exponent_of(vals[k][idx])), emax = max(emax, exponent_of(vals[k][idx]));
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
-      emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
+    for (int j = 0; j < 2; ++j) {
+      const int c = lane + kWarp * j, row = c / 4, part = c % 4;
+      cp_async16(stage_of(k) + row * kRowWords + part * 4, src + static_cast<int64_t>(row) * H * D + part * 8);
     }
-    if (lane == 0) desc_s[x] = allow_compress ? descriptor_for(emin, emax) : kDescRaw;
+  }
+  cp_async_wait_all();
+  __syncwarp();
+
+  // Descriptors from each block's exponent range.
+#pragma unroll
+  for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
+    const int x = warp + kWarps * k;
+    if (x >= cta_blocks) break;
+    uint8_t desc = kDescRaw;
+    if (allow_compress) {
+      uint16_t v[16];
+      gather_lane_values(stage_of(k), ((first_stream + x / nb) / H) % 2, lane, v);
+      int emin = 255, emax = 0;
+#pragma unroll
+      for (int idx = 0; idx < 16; ++idx) emin = min(emin, exponent_of(v[idx])), emax = max(emax, exponent_of(v[idx]));
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) {
+        emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
+        emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
+      }
+      desc = descriptor_for(emin, emax);
+    }
+    if (lane == 0) desc_s[x] = desc;
   }
   __syncthreads();
 
-  // Layout of this CTA's bytes, then its place after all earlier CTAs (warp 0).
+  // Layout of this CTA's bytes (a warp scan, two blocks per lane), then its place after all earlier CTAs (warp 0).
   if (warp == 0) {
-    if (lane == 0) {
-      int32_t off = 0;
-      for (int x = 0; x < cta_blocks; ++x) block_off_s[x] = off, off += block_bytes(desc_s[x]);
-      block_off_s[cta_blocks] = off;
+    static_assert(kMaxBlocks <= 2 * kWarp, "two blocks per lane in the offset scan");
+    const int a = 2 * lane < cta_blocks ? block_bytes(desc_s[2 * lane]) : 0;
+    const int b = 2 * lane + 1 < cta_blocks ? block_bytes(desc_s[2 * lane + 1]) : 0;
+    int incl = a + b;
+#pragma unroll
+    for (int o = 1; o < kWarp; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int excl = incl - a - b;
+    if (2 * lane <= cta_blocks) block_off_s[2 * lane] = excl;
+    if (2 * lane + 1 <= cta_blocks) block_off_s[2 * lane + 1] = excl + a;
+    const int32_t total = __shfl_sync(0xffffffffu, incl, kWarp - 1);
+    // Read the cursor before publishing (compressing) or counting this CTA done (raw): the last CTA rewrites
+    // cursor[0] only after every CTA has done either.
+    const int64_t next = cursor[0], end = cursor[1];
+    int64_t base;
+    if (allow_compress) {
+      base = look_back(scratch, ticket, total, next, lane);
+    } else {
+      base = next + first_stream * int64_t{nb} * kRawBlockBytes;
+    }
+    const bool sane = next >= 0 && next % kStreamAlign == 0 && next <= end && end <= data_bytes;
+    bool last = ticket == num_ctas - 1;
+    if (!allow_compress && lane == 0) {
+      __threadfence();
+      last = atomicAdd(&scratch->ticket, 1u) == num_ctas - 1;
     }
     __syncwarp();
-    const int32_t total = block_off_s[cta_blocks];
-    // Read the cursor before publishing: the last CTA rewrites cursor[0] only after every CTA has published.
-    const int64_t next = cursor[0], end = cursor[1];
-    const int64_t base = look_back(scratch, ticket, total, next, lane);
     if (lane == 0) {
       base_s = base;
       // A cursor the CPU kernel would reject ({next, end} out of order, past data, or next unaligned) stores nothing.
-      const bool sane = next >= 0 && next % kStreamAlign == 0 && next <= end && end <= data_bytes;
       limit_s = sane ? end : -1;
-      for (int s = 0; s <= cta_streams; ++s) stream_start_s[s] = base + block_off_s[s * nb];
-      if (ticket == num_ctas - 1 && sane) cursor[0] = base + total;
+      if (last && sane) {
+        cursor[0] = allow_compress ? base + total : next + num_streams * int64_t{nb} * kRawBlockBytes;
+      }
     }
+    for (int s = lane; s <= cta_streams; s += kWarp) stream_start_s[s] = base + block_off_s[s * nb];
   }
   __syncthreads();
 
-  // Write pass: only streams that end within the usable bytes are stored.
+  // Write: only streams that end within the usable bytes are stored.
 #pragma unroll
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
     const int x = warp + kWarps * k;
     if (x >= cta_blocks) break;
     const int s = x / nb;
-    if (stream_start_s[s + 1] > limit_s) break;
+    if (stream_start_s[s + 1] > limit_s) continue;
     uint8_t* dst = data + base_s + block_off_s[x];
     const uint8_t desc = desc_s[x];
+    uint16_t v[16];
+    gather_lane_values(stage_of(k), ((first_stream + s) / H) % 2, lane, v);
     if (desc == kDescRaw) {
       uint4 r[2];
       uint16_t* rv = reinterpret_cast<uint16_t*>(r);
 #pragma unroll
-      for (int idx = 0; idx < 16; ++idx) rv[idx] = vals[k][idx];
+      for (int idx = 0; idx < 16; ++idx) rv[idx] = v[idx];
       reinterpret_cast<uint4*>(dst)[2 * lane] = r[0];
       reinterpret_cast<uint4*>(dst)[2 * lane + 1] = r[1];
     } else {
       uint4 low;
       uint8_t* lb = reinterpret_cast<uint8_t*>(&low);
 #pragma unroll
-      for (int idx = 0; idx < 16; ++idx) lb[idx] = static_cast<uint8_t>(vals[k][idx] & 0xFF);
-      uint2 codes = make_uint2(encode_group(vals[k], desc), encode_group(vals[k] + 8, desc));
+      for (int idx = 0; idx < 16; ++idx) lb[idx] = static_cast<uint8_t>(v[idx] & 0xFF);
+      const uint2 codes = make_uint2(encode_group(v, desc), encode_group(v + 8, desc));
       reinterpret_cast<uint4*>(dst)[lane] = low;
       reinterpret_cast<uint2*>(dst + kLowBytes)[lane] = codes;
     }
@@ -194,17 +241,18 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
 
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor scratch = at::zeros({1 + num_ctas}, data.options().dtype(at::kLong));
-  auto launch = [&](auto kernel) {
-    kernel<<<static_cast<unsigned int>(num_ctas), kThreads, 0, stream>>>(
+  at::Tensor scratch = at::zeros({allow_compress ? 1 + num_ctas : 1}, data.options().dtype(at::kLong));
+  auto launch = [&](auto kernel, int max_blocks_per_warp) {
+    const int smem = kWarps * max_blocks_per_warp * kStageWords * 4;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<static_cast<unsigned int>(num_ctas), kThreads, smem, stream>>>(
         reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), page_ids.data_ptr<int32_t>(), allow_compress,
         data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0), cursor.data_ptr<int64_t>(),
         reinterpret_cast<Scratch*>(scratch.data_ptr<int64_t>()), num_streams, P, H, D, meta.size(3), streams_per_cta,
         static_cast<unsigned int>(num_ctas));
   };
-  if (blocks_per_warp <= 2) launch(compress_pages_kernel<2>);
-  else if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>);
-  else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>);
+  if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>, 4);
+  else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>, 8);
   else TORCH_CHECK(false, "zipkv.compress_pages: page_size x head_dim too large (", blocks_per_warp, " blocks per warp)");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

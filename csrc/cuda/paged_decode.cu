@@ -2,8 +2,8 @@
 // The kernels are in paged_decode.cuh.
 //
 // The plan is made on the host from shapes alone (batch, kv heads, nnz pages), never from tensor contents, so the op
-// never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle, each
-// request's tiles are cut into `splits` chunks whose partial results a second kernel merges. The workspace (partial
+// never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle or end
+// in a partial wave, each request's tiles are cut into `splits` chunks whose partial results a second kernel merges. The workspace (partial
 // outputs and lse) is sized by the same shapes.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +18,13 @@ namespace {
 
 constexpr int kMinTilesPerSplit = 2 * decode::kWarps;  // below this a split's pipeline is mostly prologue
 constexpr int kMaxSplits = 64;
+// The plan's cost model, in tiles: a CTA costs its tiles plus a fixed start/finish (pipeline fill, the warps' merge,
+// the epilogue); a split plan adds the merge kernel. Splitting must save 5% over no split, and of the split counts
+// within 3% of the best the fewest win (the model is no finer than that).
+constexpr double kCtaOverheadTiles = 8.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03;
+// When CTAs outnumber the slots, SMs take new CTAs as old ones finish and end unevenly: the last CTAs started run
+// with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (benchmarks/NOTES.md, v7).
+constexpr double kTailCtaTimes = 1.5;
 
 int num_sms(int device) {
   static int cached[64] = {0};
@@ -36,13 +43,24 @@ int occupancy(int head_dim, int group) {
 
 int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
                 int device) {
-  // As many splits as keep every CTA in the first wave: a second, partial wave would cost more than the idle SMs.
-  const int64_t slots = int64_t{num_sms(device)} * std::max(1, occupancy(head_dim, group));
-  const int64_t ctas = batch * kv_heads;
-  if (2 * ctas > slots) return 1;
-  const int64_t avg_tiles = (nnz_pages * (page_size / kTileTokens) + batch - 1) / batch;
-  const int64_t by_work = std::max<int64_t>(1, avg_tiles / kMinTilesPerSplit);
-  return static_cast<int>(std::min<int64_t>({slots / ctas, by_work, kMaxSplits}));
+  // Time of n CTAs in CTA-times per SM (an SM is saturated from 2 resident CTAs on): if they all fit at once, the
+  // busiest SM's share (a lone CTA runs at about half the rate); otherwise SMs share them evenly, plus the tail.
+  const int64_t sms = num_sms(device), residency = std::max(1, occupancy(head_dim, group));
+  const int64_t slots = sms * residency, ctas = batch * kv_heads, saturated = std::min<int64_t>(2, residency);
+  auto cta_times = [&](int64_t n) {
+    return n <= slots ? static_cast<double>(std::max(saturated, (n + sms - 1) / sms))
+                      : static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes;
+  };
+  const double avg_tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
+  auto cost = [&](int s) { return cta_times(ctas * s) * (avg_tiles / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0); };
+  int max_splits = 1;
+  while (max_splits < kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerSplit) ++max_splits;
+  double least = cost(1);
+  for (int s = 2; s <= max_splits; ++s) least = std::min(least, cost(s));
+  if (cost(1) <= (1.0 + kSplitGain) * least) return 1;
+  int s = 2;
+  while (cost(s) > (1.0 + kNearBest) * least) ++s;
+  return s;
 }
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,

@@ -53,22 +53,26 @@ struct Params {
   float scale_log2;  // sm_scale * log2(e): the softmax runs in base 2
 };
 
-// Geometry and pipeline depth per head_dim. Each warp owns a byte ring of kRingBytes in shared memory; a tile takes
-// exactly its stored size (K bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in
-// the same room. kSlots bounds the tiles in the ring at once (one mbarrier each).
-template <int D>
+// Geometry and pipeline depth per head_dim and target residency (kCtas CTAs per SM). Each warp owns a byte ring in
+// shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K bytes then V
+// bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds the tiles
+// in the ring at once (one mbarrier each).
+template <int D, int kCtas = 1>
 struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
-  static constexpr int kRingBytes = (D == 64 ? 4 : 3) * kMaxTileBytes;
+  static constexpr int kTableBytes = kWarps * 64 * 32;  // per warp, two blocks of 32 tile records
+  // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for slots and mbarriers.
+  static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
+  static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
   static constexpr int kSlotBytes = kWarps * kSlots * 4;   // per warp and slot: where its tile starts in the ring
   static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
-  static constexpr int kTableBytes = kWarps * 64 * 32;     // per warp, two blocks of 32 tile records
   static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes + kTableBytes;
-  static constexpr int kMinCtas = D == 64 ? 3 : D == 128 ? 2 : 1;
+  static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
+  static_assert(kSlotBytes + kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
   static_assert(kSlotBytes % 8 == 0 && (kSlotBytes + kBarBytes) % 16 == 0, "mbarriers and records stay aligned");
 };
@@ -287,9 +291,9 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
-template <int D, int kHalves>
-__global__ void __launch_bounds__(kThreads, Cfg<D>::kMinCtas) paged_decode_kernel(const Params p) {
-  using C = Cfg<D>;
+template <int D, int kHalves, int kCtas>
+__global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Params p) {
+  using C = Cfg<D, kCtas>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kAcc = 2 * kHalves;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
