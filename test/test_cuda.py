@@ -88,19 +88,22 @@ def test_append_matches_cpu(gen):
     assert torch.equal(cpu.data, gpu.data.cpu())
 
 
-def test_overflow_stores_a_prefix_and_reports_it(gen):
+@pytest.mark.parametrize("allow_compress", [True, False])  # compressing (look-back) and raw (fixed offsets)
+def test_overflow_stores_a_prefix_and_reports_it(gen, allow_compress):
     """CUDA cannot raise without a sync: streams past cursor[1] are not written, their rows read -1 and cursor[0]
     advances by the bytes needed, so cursor[0] > cursor[1] tells the caller."""
-    kv = random_kv(4, 16, 1, 64, gen)
-    need = torch_zipkv.compress(kv).data.numel()
-    data, meta, cursor = arena(4, 16, 1, 64, "cuda", capacity=need)
+    kv = random_kv(64, 16, 1, 64, gen)  # 128 streams: several CTAs
+    need = torch_zipkv.compress(kv, compress=allow_compress).data.numel()
+    stream_bytes = 1536 if allow_compress else 2048
+    data, meta, cursor = arena(64, 16, 1, 64, "cuda", capacity=need)
     cursor[1] = need // 2
-    ops.compress_pages(kv.cuda(), torch.arange(4, dtype=torch.int32, device="cuda"), data, meta, cursor)
+    ops.compress_pages(kv.cuda(), torch.arange(64, dtype=torch.int32, device="cuda"), data, meta, cursor,
+                       allow_compress=allow_compress)
     assert cursor.tolist() == [need, need // 2]
     offsets = meta[..., 0].flatten().cpu()
     stored = offsets >= 0
     assert stored.any() and not stored.all() and not stored[stored.nonzero().max() + 1 :].any()
-    assert (offsets[stored] * 256 + 1536 <= need // 2).all()
+    assert (offsets[stored] * 256 + stream_bytes <= need // 2).all()
 
 
 def test_corrupt_meta_never_read_out_of_bounds(gen):

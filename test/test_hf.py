@@ -36,11 +36,11 @@ def teacher_forced_logits(model, impl: str, input_ids, attention_mask, forced, c
     model.set_attn_implementation(impl)
     cache = cache if cache is not None else transformers.DynamicCache(config=model.config)
     mask, pos = attention_mask, positions(attention_mask)
-    out = [model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache).logits[:, -1]]
+    out = [model(input_ids=input_ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]]
     for t in range(forced.shape[1]):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         pos = pos[:, -1:] + 1
-        out.append(model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, cache=cache).logits[:, -1])
+        out.append(model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1])
     return torch.stack(out, 1).float()
 
 
@@ -71,7 +71,7 @@ def test_smollm2_greedy_generate_matches_default(smollm2):
     cache = zipkv_cache(model, len(PROMPTS), L + NEW_TOKENS, NEW_TOKENS)
     torch_zipkv.enable(model)
     try:
-        got = model.generate(**inp, cache=cache, **kw)
+        got = model.generate(**inp, past_key_values=cache, **kw)
     finally:
         model.set_attn_implementation("sdpa")
     ref_logits = torch.stack(ref.logits, 1).float()
@@ -265,3 +265,33 @@ def test_generate_loop_gives_model_generate_tokens_and_compiles(gen):
         if not torch.equal(compiled[:, : ids.shape[1] + t + 1], eager[:, : ids.shape[1] + t + 1]):
             break  # the sequences diverged at a near-tie: later steps see different inputs
         assert (clogits[:, t].float() - logits[:, t].float()).abs().max() < 0.1, t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA Graphs need a GPU")
+def test_generate_on_cuda_eager_and_cuda_graphs(gen):
+    """On the GPU: the eager loop gives model.generate's tokens exactly, and the decode step captured as CUDA Graphs
+    (mode="reduce-overhead", replayed across page boundaries and compressions: 40 steps, page 16) is really captured
+    (no cudagraph skips) and keeps the eager logits and every clear choice."""
+    from torch._dynamo.utils import counters
+
+    model = torch_zipkv.enable(small_model("qwen2").cuda())
+    ids, mask, _ = padded_batch(gen, [21, 9], 0)
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                         past_key_values=ZipKVCache.from_model(model, batch_size=2, max_length=64, max_new_tokens=40))
+    eager, logits = torch_zipkv.generate(model, ids, mask, max_new_tokens=40, return_logits=True)
+    assert torch.equal(eager, ref)
+    torch._dynamo.reset()
+    counters.clear()
+    graphed, glogits = torch_zipkv.generate(model, ids, mask, max_new_tokens=40, compile="reduce-overhead",
+                                            return_logits=True)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0, "no CUDA Graph was recorded"
+    for t in range(40):
+        top2 = logits[:, t].float().topk(2).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.25
+        if not torch.equal(graphed[clear, ids.shape[1] + t], eager[clear, ids.shape[1] + t]):
+            raise AssertionError(f"step {t}: a clear choice changed under CUDA Graphs")
+        if not torch.equal(graphed[:, : ids.shape[1] + t + 1], eager[:, : ids.shape[1] + t + 1]):
+            break  # diverged at a near-tie: later steps see different inputs
+        assert (glogits[:, t].float() - logits[:, t].float()).abs().max() < 0.1, t

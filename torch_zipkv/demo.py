@@ -26,7 +26,7 @@ PROMPTS = [
 
 
 def _generate(model, inputs, new_tokens, cache=None):
-    kwargs = {} if cache is None else {"cache": cache}
+    kwargs = {} if cache is None else {"past_key_values": cache}
     t0 = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, **kwargs)

@@ -131,6 +131,9 @@ def _load_smollm2(dtype: torch.dtype):
         quantization_config=transformers.GgufConfig(dequantize=True),
     )
     model.eval()
+    if tokenizer.pad_token is None:  # older transformers read no pad token from the GGUF: use the model's
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad[0] if isinstance(pad, list) else pad)
     wrong = {p.dtype for p in model.parameters()} - {dtype}
     if wrong:
         raise RuntimeError(f"SmolLM2 loaded with parameters in {wrong}, not only {dtype}.")
@@ -251,12 +254,12 @@ def _prefill_kv(text: str, num_tokens: int, page_size: int) -> torch.Tensor:
     cache = transformers.DynamicCache(config=model.config)
     with torch.inference_mode():
         # The decoder alone: the LM head's [num_tokens, 49152] logits are not needed.
-        model.model(input_ids=ids, cache=cache, use_cache=True)
+        model.model(input_ids=ids, past_key_values=cache, use_cache=True)
 
     if cache.get_seq_length() != num_tokens:
         raise RuntimeError(
             f"The model cached {cache.get_seq_length()} tokens instead of {num_tokens}; the "
-            "installed transformers does not fill the cache passed as `cache=`."
+            "installed transformers does not fill the cache passed as `past_key_values=`."
         )
     num_pages = num_tokens // page_size
     layers = []

@@ -3,7 +3,7 @@
     import torch_zipkv
     model = torch_zipkv.enable(AutoModelForCausalLM.from_pretrained(...))     # or attn_implementation="zipkv"
     cache = torch_zipkv.ZipKVCache.from_model(model, batch_size=2, max_length=512, max_new_tokens=64)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=64)           # past_key_values= works too
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
 Importing this module registers "zipkv" with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
 (``torch_zipkv.enable`` and ``torch_zipkv.ZipKVCache`` import it; import it yourself before
@@ -12,8 +12,9 @@ Importing this module registers "zipkv" with transformers' ``AttentionInterface`
 How the attention function reaches the cache. transformers' attention modules (Llama, Qwen2/3, Mistral, Gemma 2/3,
 ...) call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then ``attention_interface(module, q, k, v, mask,
 **kwargs)`` with the same ``kwargs`` dict. :meth:`ZipKVCache.update` stores the cache in that dict as
-``zipkv_cache`` and returns the new ``k, v`` unchanged; the "zipkv" attention function then does all the work for
-``module.layer_idx``:
+``zipkv_cache`` (older transformers, which pass ``update`` no kwargs: in a module-level slot that the same layer's
+attention call takes right after) and returns the new ``k, v`` unchanged; the "zipkv" attention function then does
+all the work for ``module.layer_idx``:
 
 - prefill (query length > 1, empty cache): append each sequence's real tokens to its pages (pads, read from the
   mask's diagonal, never enter the cache) and attend with transformers' own SDPA over the prompt's K/V and mask;
@@ -49,6 +50,9 @@ from ..cache import CompressedPagedKVCache
 
 ATTN_IMPLEMENTATION = "zipkv"
 _MiB = 1 << 20
+# (cache, layer_idx) from the last ZipKVCache.update that had no attention kwargs to carry the cache (older
+# transformers); the attention call of that layer, which comes right after it, takes it.
+_PENDING: list = [None]
 
 
 class _ZipKVLayer(CacheLayerMixin):
@@ -106,6 +110,11 @@ class ZipKVCache(Cache):
             raise ValueError(f"max_new_tokens must be None or an int >= 0, got {max_new_tokens!r}")
         super().__init__(layers=[_ZipKVLayer() for _ in range(kv.num_layers)])
         self.kv = kv
+        if kv.device.type == "cuda":
+            # The arena and meta rows live as long as the cache and decode steps write them in place: as static
+            # addresses, a CUDA Graph (torch.compile mode="reduce-overhead") captures them instead of skipping.
+            for t in (kv.data, *(kv.meta(layer) for layer in range(kv.num_layers))):
+                torch._dynamo.mark_static_address(t)
         self.max_new_tokens = max_new_tokens
         self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
         self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step)
@@ -150,10 +159,6 @@ class ZipKVCache(Cache):
         """Hand this cache to the attention function (through the attention module's kwargs) and return ``k, v``
         unchanged: the "zipkv" attention appends them to the pages. Compresses full pages before each decode step."""
         forward_kwargs = kwargs.get("kwargs")
-        if not isinstance(forward_kwargs, dict):
-            raise RuntimeError(
-                "ZipKVCache.update was called without the attention module's kwargs (`kwargs=kwargs`), so the "
-                "'zipkv' attention cannot reach the cache; this model's attention is not supported")
         if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is None and self.layers[0].seen:
             raise RuntimeError(
                 "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not 'zipkv' "
@@ -162,7 +167,11 @@ class ZipKVCache(Cache):
             self.begin_step()
         if layer_idx == len(self.layers) - 1:
             self.planned = False  # the next decode step plans again (eagerly here, or by an explicit begin_step)
-        forward_kwargs["zipkv_cache"] = self
+        if isinstance(forward_kwargs, dict):
+            forward_kwargs["zipkv_cache"] = self
+            _PENDING[0] = None
+        else:  # transformers before ~5.20 pass update no kwargs: leave the cache for this layer's attention call
+            _PENDING[0] = (self, layer_idx)
         return self.layers[layer_idx].update(key_states, value_states)
 
     def begin_step(self) -> None:
@@ -286,6 +295,9 @@ def zipkv_attention_forward(module, query, key, value, attention_mask, dropout: 
                             softcap: float | None = None, zipkv_cache: ZipKVCache | None = None, **kwargs):
     """transformers attention function "zipkv": decode from the compressed pages of the ``ZipKVCache`` that
     :meth:`ZipKVCache.update` put in ``kwargs``; plain SDPA when there is none."""
+    pending = _PENDING[0]
+    if zipkv_cache is None and pending is not None and pending[1] == module.layer_idx:
+        zipkv_cache, _PENDING[0] = pending[0], None
     if zipkv_cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, softcap=softcap, **kwargs)
