@@ -249,7 +249,7 @@ class CompressedPagedKVCache:
         # Every layer's meta rows as one table (row layer * max_pages + page): one op call covers pages of all layers.
         self._meta_rows = self._meta.view(-1, 2, num_kv_heads, W)
         self._meta_starts = self._meta_rows[..., 0]  # word 0 of each stream: where it starts (in STREAM_ALIGN units)
-        self._first_rows = np.arange(num_layers, dtype=np.int32) * max_pages  # each layer's row 0
+        self._first_rows = np.arange(num_layers, dtype=np.int64) * max_pages  # each layer's row 0
         self._upload = _Uploader(device)
         self._all_layers = np.arange(num_layers)
         self._arena = Arena(num_layers, max_pages, num_chunks, self.chunk_bytes, self.page_bytes)
@@ -480,7 +480,7 @@ class CompressedPagedKVCache:
         A = fmt.STREAM_ALIGN
         scratch = torch.empty(len(pids) * self.page_bytes, dtype=torch.uint8, device=self.device)
         rows = self._rows(layers, pids)
-        ids, cursor = self._upload(rows, np.array([0, scratch.numel()], dtype=np.int64))
+        ids, cursor = self._upload(rows.astype(np.int32), np.array([0, scratch.numel()], dtype=np.int64))
         kv = ops.decompress_pages(self.data, self._meta_rows, ids, self.page_size, self.head_dim)
         ops.compress_pages(kv, ids, scratch, self._meta_rows, cursor)
         # The round's one sync: where each page's streams start (word 0 of (K, head 0), in units of A) and where the
@@ -515,12 +515,13 @@ class CompressedPagedKVCache:
 
     # ---- device writes: host arrays decided here, sent with one upload per call -------------------------------
     def _rows(self, layers, pids: np.ndarray) -> np.ndarray:
-        """Rows of pages (layer, page id) in the all-layer meta table (int32; numpy broadcasting)."""
-        return self._first_rows[layers] + pids.astype(np.int32)
+        """Rows of pages (layer, page id) in the all-layer meta table (numpy broadcasting). int64: indexing converts
+        int32 indices first, on CUDA with one more kernel."""
+        return self._first_rows[layers] + pids
 
     def _move(self, rows: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, source: torch.Tensor,
               zero: np.ndarray) -> None:
-        """Copy the pages of meta rows ``rows`` from bytes ``src`` of ``source`` to bytes ``dst`` of data (``nbytes``
+        """Copy the pages of meta rows ``rows`` (int64) from bytes ``src`` of ``source`` to bytes ``dst`` of data (``nbytes``
         each, all sources read before any destination is written; every offset and size is a multiple of
         STREAM_ALIGN), add the distance moved to word 0 of their meta rows, then zero slots ``zero``."""
         A = fmt.STREAM_ALIGN
@@ -633,7 +634,7 @@ class CompressedPagedKVCache:
     def _open_pages(self, layers: np.ndarray, batch: _Batch, plan: _Plan) -> list[np.ndarray]:
         """Give the plan's new pages ids (first layer to reach them) and raw slots in each of ``layers``, or raise
         CacheFullError before changing anything. Returns the device writes that makes, for :meth:`_write_pages`
-        after an upload: the pages' meta rows (int32 [k]), their values (int32 [k, 2, H, W]) and the slots to zero
+        after an upload: the pages' meta rows (int64 [k]), their values (int32 [k, 2, H, W]) and the slots to zero
         (of slot chunks just taken from the pool); nothing if no page opens."""
         if not plan.new:
             return []
