@@ -87,18 +87,17 @@ class Arena:
             short = short + extra
         return int(np.maximum(0, -(-short // self.slots_per_chunk)).sum())
 
-    def fits(self, layers: np.ndarray, pages: int) -> bool:
+    def fits(self, layers: slice, pages: int) -> bool:
         """Whether each of ``layers`` can take ``pages`` raw pages beyond its promises, all at once, without breaking
         any promise."""
         if pages <= 0:
             return True
         # Promised pages always fit; so do these where a layer's own free slots cover its promises and them.
-        layers = np.asarray(layers)
-        short = layers[pages > self.free_slot_count[layers] - self.reserved[layers]]
-        if not len(short):
+        short = pages > self.free_slot_count[layers] - self.reserved[layers]
+        if not short.any():
             return True
         extra = np.zeros(self.num_layers, dtype=np.int64)
-        extra[short] = pages
+        extra[layers] = short * pages
         return self.pool_need(extra) <= len(self.pool)
 
     def spare_pages(self, layer: int) -> int:
@@ -159,7 +158,7 @@ class Arena:
         self.sole_slot_chunk[layer] = next(iter(chunks)) if len(chunks) == 1 else -1
 
     # ---- slots ----------------------------------------------------------------------------------------------
-    def place_raw(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    def place_raw(self, layers: slice, pages: np.ndarray) -> np.ndarray:
         """Give each page a free slot in each of ``layers`` (the caller checked :meth:`fits` or holds promises);
         returns the slot numbers [layers, pages] (slot s is at byte s * page_bytes). Slots come from the fullest slot
         chunk, so sparse chunks drain and go back to the pool. A decode step opens pages in every layer: while each
@@ -169,10 +168,10 @@ class Arena:
         if sole.min() >= 0 and self.free_top[sole].min() >= n:
             slots = self._pop_slots(sole, n)
         else:
-            slots = np.stack([self._take_fullest(self.slot_chunks[layer], n, layer) for layer in layers.tolist()])
+            slots = np.stack([self._take_fullest(self.slot_chunks[layer], n, layer)
+                              for layer in range(self.num_layers)[layers]])
         self.free_slot_count[layers] -= n
-        grid = (layers[:, None], pages)
-        self.offset[grid], self.nbytes[grid] = slots * self._page_bytes, self.page_bytes
+        self.offset[layers, pages], self.nbytes[layers, pages] = slots * self._page_bytes, self.page_bytes
         return slots
 
     def _take_fullest(self, chunks, n: int, layer: int | None = None) -> np.ndarray:

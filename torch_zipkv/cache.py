@@ -258,8 +258,10 @@ class CompressedPagedKVCache:
         self._raw_rows = np.empty((2, num_kv_heads, W), dtype=np.int32)
         self._raw_rows[..., 1:] = fmt.raw_descriptor_words(page_size, head_dim)
         self._raw_rows[..., 0] = np.arange(2 * num_kv_heads).reshape(2, num_kv_heads) * stream_units
-        self._word0 = (np.arange(self._raw_rows.size) % W == 0).astype(np.int32)  # flat row positions of word 0
-        self._slot_units = np.int32(self.page_bytes // fmt.STREAM_ALIGN)  # slot s starts s * this many units in
+        # Per flat row position: the STREAM_ALIGN units of a slot at word 0, else 0. A slot number times this, plus
+        # the template, gives the rows of a page open in that slot.
+        word0 = (np.arange(self._raw_rows.size) % W == 0).astype(np.int32)
+        self._slot_word0 = word0 * (self.page_bytes // fmt.STREAM_ALIGN)
 
         self._seqs: dict[int, _Seq] = {}
         self._next_seq_id = 0
@@ -351,7 +353,7 @@ class CompressedPagedKVCache:
             return
         start = self._len[batch.rows, layer]
         plan = self._plan(batch, start, single, n)
-        writes = self._open_pages(np.array([layer]), batch, plan)
+        writes = self._open_pages(slice(layer, layer + 1), batch, plan)
         tokens = self._token_slots(batch, plan) if plan.page_ids is None else []  # once: the layers share them
         sent = self._upload(*writes, *tokens)
         self._write_pages(*sent[: len(writes)])
@@ -371,7 +373,9 @@ class CompressedPagedKVCache:
         key = (batch.key, lens.tobytes())
         table = self._tables.get(key)
         if table is None:
-            table = tuple(self._upload(*self._table_arrays(batch, lens)))
+            indptr, indices = self._table(batch, -(-lens // self.page_size))
+            last = np.minimum(lens, (lens - 1) % self.page_size + 1).astype(np.int32)  # 0 for no tokens
+            table = tuple(self._upload(indptr, indices, last))
             _remember(self._tables, key, table)
         return table
 
@@ -410,10 +414,11 @@ class CompressedPagedKVCache:
             raise ValueError("prepare_step needs every layer at the same length for these sequences; use append() "
                              "per layer otherwise")
         plan = self._build_plan(start, None)  # used once: not remembered
-        writes = self._open_pages(self._all_layers, batch, plan)
-        indptr, indices, last = self._table_arrays(batch, plan.end)
+        writes = self._open_pages(slice(None), batch, plan)
+        indptr, indices = self._table(batch, start // self.page_size + 1)  # the pages after the step
         page_ids = indices[indptr[1:] - 1]  # every sequence's new token goes to its last page
         slots = (start % self.page_size).astype(np.int32)
+        last = slots + 1  # the new token is the last page's last
         # The step's one host-to-device copy. The step's tensors come first, nnz-sized last, so each sits at the same
         # place of the buffer every step of a batch.
         page_ids, slots, indptr, last, indices, *writes = self._upload(page_ids, slots, indptr, last, indices, *writes)
@@ -631,8 +636,9 @@ class CompressedPagedKVCache:
                 filled += [(i, j) for j in range(a // P, b // P)]
         return _Plan(start=start, counts=counts, end=end, new=new, filled=filled)
 
-    def _open_pages(self, layers: np.ndarray, batch: _Batch, plan: _Plan) -> list[np.ndarray]:
-        """Give the plan's new pages ids (first layer to reach them) and raw slots in each of ``layers``, or raise
+    def _open_pages(self, layers: slice, batch: _Batch, plan: _Plan) -> list[np.ndarray]:
+        """Give the plan's new pages ids (first layer to reach them) and raw slots in each of ``layers`` (all of them
+        for a decode step, one for an append), or raise
         CacheFullError before changing anything. Returns the device writes that makes, for :meth:`_write_pages`
         after an upload: the pages' meta rows (int64 [k]), their values (int32 [k, 2, H, W]) and the slots to zero
         (of slot chunks just taken from the pool); nothing if no page opens."""
@@ -644,13 +650,15 @@ class CompressedPagedKVCache:
         ids_beyond = sum(j >= s.budget for s, j in need_ids)
         if need_ids and ids_beyond > len(self._free_ids) - self._reserved_ids:
             free = max(0, len(self._free_ids) - self._reserved_ids)
-            raise CacheFullError(f"append to layer {layers[0]}: needs {ids_beyond} page ids beyond the sequences' "
+            raise CacheFullError(f"append to layer {range(self.num_layers)[layers][0]}: needs {ids_beyond} page ids "
+                                 f"beyond the sequences' "
                                  f"budgets, {free} are free ({len(self._free_ids)} of "
                                  f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
                                  requested=ids_beyond, free=free, unit="page ids")
         if not self._arena.fits(layers, beyond):
             # Name a layer that cannot take them alone; if each can, they only fail together: name the first.
-            layer = next((x for x in layers.tolist() if not self._arena.fits([x], beyond)), int(layers[0]))
+            ids = range(self.num_layers)[layers]
+            layer = next((x for x in ids if not self._arena.fits(slice(x, x + 1), beyond)), ids[0])
             free = self._arena.spare_pages(layer)
             raise CacheFullError(f"append to layer {layer}: needs {len(new)} new raw pages, {beyond} of them beyond "
                                  f"the sequences' budgets, but only {free} can be taken without breaking promises "
@@ -663,8 +671,8 @@ class CompressedPagedKVCache:
         self._arena.reserved[layers] -= len(new) - beyond
         slots = self._arena.place_raw(layers, pids)  # [layers, pages]
         # Meta rows: the template's word 0 of stream (K|V, head) plus the page's offset; descriptors all raw.
-        values = (slots.reshape(-1, 1) * self._slot_units * self._word0 + self._raw_rows.reshape(1, -1))
-        rows = self._rows(layers[:, None], pids).ravel()
+        values = (slots.reshape(-1, 1) * self._slot_word0 + self._raw_rows.reshape(1, -1))
+        rows = self._rows(self._all_layers[layers, None], pids).ravel()
         return [rows, values.reshape(-1, *self._raw_rows.shape), self._arena.take_dirty()]
 
     def _token_slots(self, batch: _Batch, plan: _Plan) -> list[np.ndarray]:
@@ -680,12 +688,11 @@ class CompressedPagedKVCache:
     def _filled_ids(self, batch: _Batch, plan: _Plan) -> list[int]:
         return [int(batch.seqs[i].pages[p]) for i, p in plan.filled]
 
-    def _table_arrays(self, batch: _Batch, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The page table of ``batch`` at lengths ``lens``: int32 kv_indptr, kv_indices, kv_last_page_len. A running
-        sequence's pages only grow, so the table last built for the batch, unless it is ahead, gets the new pages
-        inserted (a decode step adds a few) instead of being built anew."""
-        pages = -(-lens // self.page_size)
-        indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    def _table(self, batch: _Batch, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """kv_indptr and kv_indices (int32) of ``batch`` with ``pages`` pages per sequence. A running sequence's pages
+        only grow, so the table last built for the batch, unless it is ahead, gets the new pages inserted (a decode
+        step adds a few) instead of being built anew."""
+        indptr = np.zeros(len(pages) + 1, dtype=np.int32)
         pages.cumsum(out=indptr[1:])
         if batch.table is not None and (pages >= batch.table[0]).all():
             old, old_indptr, indices = batch.table
@@ -700,8 +707,7 @@ class CompressedPagedKVCache:
             indices = np.concatenate([s.pages[:p] for s, p in zip(batch.seqs, pages.tolist())] +
                                      [np.empty(0, dtype=np.int32)])
         batch.table = (pages, indptr, indices)
-        last = np.minimum(lens, (lens - 1) % self.page_size + 1).astype(np.int32)  # 0 for no tokens
-        return indptr, indices, last
+        return indptr, indices
 
     def _batch(self, seq_ids) -> _Batch:
         if isinstance(seq_ids, torch.Tensor):
