@@ -19,8 +19,8 @@ pages and the shared page table) and per layer only ``step_append`` (the op), as
 drives it; and the per-layer API (``append`` + ``page_table`` per layer). Each step ends with
 ``compress_full_pages()`` (staggered lengths: ~1/16 of the sequences fill a page in every layer each step). Reported
 (median over steps): host µs per step for all layers, the part spent inside the ``append_kv`` calls (the kernel on
-CPU, its launch on GPU: what any paged cache pays), the difference (the cache's bookkeeping); and
-``compress_full_pages`` per step, the part inside its ``decompress_pages`` / ``compress_pages`` calls (the
+CPU, its launch on GPU: what any paged cache pays), the difference (the cache's bookkeeping, including the calls that
+lead to the op), ``prepare_step`` alone; and ``compress_full_pages`` per step, the part inside its ``decompress_pages`` / ``compress_pages`` calls (the
 compression itself on CPU, their launches on GPU) and the rest (bookkeeping, index copies, and on GPU the one sync,
 which waits for the step's kernels). Writes bench_capacity.json into --out.
 """
@@ -108,7 +108,7 @@ def bookkeeping(args, device) -> dict:
         return call
 
     def run(planned: bool):
-        step_s, op_s, compress_s, compress_op_s, pages = [], [], [], [], []
+        step_s, op_s, prepare_s, compress_s, compress_op_s, pages = [], [], [], [], [], []
         for step in range(args.steps):
             sync()
             for name in in_op:
@@ -116,6 +116,7 @@ def bookkeeping(args, device) -> dict:
             t0 = time.perf_counter()
             if planned:  # one plan for every layer, then per layer only the op
                 plan = cache.prepare_step(sids)
+                prepare_s.append(time.perf_counter() - t0)
                 for layer in range(L):
                     cache.step_append(layer, plan, kt, kt)
             else:  # the per-layer API: each layer plans its own append and page table (memoized across layers)
@@ -131,7 +132,8 @@ def bookkeeping(args, device) -> dict:
         med = lambda xs: statistics.median(xs[2:]) * 1e6  # noqa: E731  (first steps warm the memos)
         book = [s - o for s, o in zip(step_s, op_s)]
         return {"step_us": med(step_s), "inside_append_kv_us": med(op_s), "bookkeeping_us_per_step": med(book),
-                "bookkeeping_us_per_layer": med(book) / L, "compress_full_pages_us_per_step": med(compress_s),
+                "bookkeeping_us_per_layer": med(book) / L, "prepare_step_us": med(prepare_s) if planned else None,
+                "compress_full_pages_us_per_step": med(compress_s),
                 "compress_pages_per_step": statistics.median(pages[2:]),
                 "compress_inside_ops_us": med(compress_op_s),
                 "compress_rest_us": med([c - o for c, o in zip(compress_s, compress_op_s)])}
@@ -207,7 +209,8 @@ def main() -> None:
                         ("per-layer append + page_table", bk["per_layer_append"])):
             print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}, {name}: "
                   f"{r['step_us']:.0f} µs/step, of which inside append_kv {r['inside_append_kv_us']:.0f} µs -> "
-                  f"bookkeeping {r['bookkeeping_us_per_step']:.0f} µs ({r['bookkeeping_us_per_layer']:.1f} µs/layer)")
+                  f"bookkeeping {r['bookkeeping_us_per_step']:.0f} µs ({r['bookkeeping_us_per_layer']:.1f} µs/layer"
+                  + (f"; prepare_step alone {r['prepare_step_us']:.0f} µs)" if r["prepare_step_us"] else ")"))
             print(f"  then compress_full_pages: {r['compress_full_pages_us_per_step']:.0f} µs/step for "
                   f"{r['compress_pages_per_step']:.0f} pages, of which inside (de)compress_pages "
                   f"{r['compress_inside_ops_us']:.0f} µs -> the rest {r['compress_rest_us']:.0f} µs")
