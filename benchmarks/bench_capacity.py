@@ -2,6 +2,7 @@
 the host time the cache spends per decode step.
 
     python benchmarks/bench_capacity.py --out DIR      # Llama-3.1-8B shape, 80 GiB of KV; CPU or GPU, < 1 min
+    python benchmarks/bench_capacity.py --only bookkeeping --steps 64   # just the host time per decode step
 
 Requests fit: an admission loop on a real cache. A request is 8192 tokens (prompt 7936 + 256 new, the budget
 add_sequence promises at raw size); while ``capacity(prompt, new).requests >= 1`` it is admitted, its prompt is
@@ -16,9 +17,12 @@ Bookkeeping: ``--batch`` sequences of ``--context`` tokens in a cache of the mod
 host work does not depend on heads or dims), then decode steps, two ways: ``prepare_step`` once (every layer's new
 pages and the shared page table) and per layer only ``step_append`` (the op), as a decode loop or a CUDA Graph
 drives it; and the per-layer API (``append`` + ``page_table`` per layer). Each step ends with
-``compress_full_pages()``. Reported (median over steps): host µs per step for all layers, the part spent inside the
-``append_kv`` calls (the kernel on CPU, its launch on GPU: what any paged cache pays), the difference (the cache's
-bookkeeping), and ``compress_full_pages`` (on CPU it includes the compression itself; on GPU its one sync). Writes bench_capacity.json into --out.
+``compress_full_pages()`` (staggered lengths: ~1/16 of the sequences fill a page in every layer each step). Reported
+(median over steps): host µs per step for all layers, the part spent inside the ``append_kv`` calls (the kernel on
+CPU, its launch on GPU: what any paged cache pays), the difference (the cache's bookkeeping, including the calls that
+lead to the op), ``prepare_step`` alone; and ``compress_full_pages`` per step, the part inside its ``decompress_pages`` / ``compress_pages`` calls (the
+compression itself on CPU, their launches on GPU) and the rest (bookkeeping, index copies, and on GPU the one sync,
+which waits for the step's kernels). Writes bench_capacity.json into --out.
 """
 
 from __future__ import annotations
@@ -91,22 +95,28 @@ def bookkeeping(args, device) -> dict:
     cache.compact()  # the open pages sit one per chunk after the prompts left their slots: gather them
     kt = torch.randn(B, 1, 64, generator=gen).to(torch.bfloat16).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    in_op = [0.0]  # seconds spent inside the append_kv calls the cache makes: the kernel (CPU) or its launch (GPU)
-    append_kv = ops.append_kv
+    # Seconds spent inside the ops the cache calls: the kernel (CPU) or its launch (GPU).
+    in_op = dict.fromkeys(("append_kv", "compress_pages", "decompress_pages"), 0.0)
+    originals = {name: getattr(ops, name) for name in in_op}
 
-    def timed_append_kv(*a):
-        t = time.perf_counter()
-        append_kv(*a)
-        in_op[0] += time.perf_counter() - t
+    def timed(name):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            out = originals[name](*a, **kw)
+            in_op[name] += time.perf_counter() - t
+            return out
+        return call
 
     def run(planned: bool):
-        step_s, op_s, compress_s = [], [], []
+        step_s, op_s, prepare_s, compress_s, compress_op_s, pages = [], [], [], [], [], []
         for step in range(args.steps):
             sync()
-            in_op[0] = 0.0
+            for name in in_op:
+                in_op[name] = 0.0
             t0 = time.perf_counter()
             if planned:  # one plan for every layer, then per layer only the op
                 plan = cache.prepare_step(sids)
+                prepare_s.append(time.perf_counter() - t0)
                 for layer in range(L):
                     cache.step_append(layer, plan, kt, kt)
             else:  # the per-layer API: each layer plans its own append and page table (memoized across layers)
@@ -114,48 +124,35 @@ def bookkeeping(args, device) -> dict:
                     cache.append(layer, sids, kt, kt)
                     cache.page_table(layer, sids)
             t1 = time.perf_counter()
-            cache.compress_full_pages()
+            pages.append(cache.compress_full_pages())
             compress_s.append(time.perf_counter() - t1)
+            compress_op_s.append(in_op["compress_pages"] + in_op["decompress_pages"])
             step_s.append(t1 - t0)
-            op_s.append(in_op[0])
+            op_s.append(in_op["append_kv"])
         med = lambda xs: statistics.median(xs[2:]) * 1e6  # noqa: E731  (first steps warm the memos)
         book = [s - o for s, o in zip(step_s, op_s)]
         return {"step_us": med(step_s), "inside_append_kv_us": med(op_s), "bookkeeping_us_per_step": med(book),
-                "bookkeeping_us_per_layer": med(book) / L, "compress_full_pages_us_per_step": med(compress_s)}
+                "bookkeeping_us_per_layer": med(book) / L, "prepare_step_us": med(prepare_s) if planned else None,
+                "compress_full_pages_us_per_step": med(compress_s),
+                "compress_pages_per_step": statistics.median(pages[2:]),
+                "compress_inside_ops_us": med(compress_op_s),
+                "compress_rest_us": med([c - o for c, o in zip(compress_s, compress_op_s)])}
 
-    ops.append_kv = timed_append_kv
+    for name in in_op:
+        setattr(ops, name, timed(name))
     try:
         per_layer, planned = run(False), run(True)
     finally:
-        ops.append_kv = append_kv
+        for name, op in originals.items():
+            setattr(ops, name, op)
     return {"layers": L, "batch": B, "context": args.context, "steps": args.steps,
             "prepare_step": planned, "per_layer_append": per_layer}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=pathlib.Path)
-    p.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget of the whole model")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--sim-layers", type=int, default=1)
-    p.add_argument("--sim-heads", type=int, default=2)
-    p.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size at the model's shape")
-    p.add_argument("--request-tokens", type=int, default=8192)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=None, help="bookkeeping context (default 8192 on GPU, 2048 CPU)")
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args()
-    device = torch.device(args.device)
-    args.context = args.context or (8192 if device.type == "cuda" else 2048)
-
+def fit_report(args, device) -> dict:
+    """Requests that fit: uncompressed, compressed (random and real-KV-like data), never compressed; printed."""
     raw_request = args.request_tokens * args.layers * args.kv_heads * args.head_dim * 2 * 2
-    result = {"command": "python " + " ".join(sys.argv), "device": str(device), "torch": torch.__version__,
-              "model": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
-              "budget_gib": args.budget_gib, "request_tokens": args.request_tokens, "new_tokens": args.new_tokens,
+    result = {"budget_gib": args.budget_gib, "request_tokens": args.request_tokens, "new_tokens": args.new_tokens,
               "simulated": {"layers": args.sim_layers, "kv_heads": args.sim_heads},
               "uncompressed_requests": int(args.budget_gib * GiB // raw_request), "fit": {}}
     print(f"{args.budget_gib:g} GiB of KV, {args.layers} layers x {args.kv_heads} KV heads x d {args.head_dim}, "
@@ -175,17 +172,48 @@ def main() -> None:
     fit = requests_that_fit(args, "random", False, device)
     result["fit"]["never_compressed"] = fit
     print(f"  zipkv, never compressed: {fit['requests']} requests (metadata and chunk rounding cost)")
+    return result
 
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # a 64-token append is too small to share; OpenMP barriers stall on a busy box
-    bk = bookkeeping(args, device)
-    result["bookkeeping"] = bk
-    for name, r in (("prepare_step + per-layer append_kv", bk["prepare_step"]),
-                    ("per-layer append + page_table", bk["per_layer_append"])):
-        print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}, {name}: "
-              f"{r['step_us']:.0f} µs/step, of which inside append_kv {r['inside_append_kv_us']:.0f} µs -> "
-              f"bookkeeping {r['bookkeeping_us_per_step']:.0f} µs ({r['bookkeeping_us_per_layer']:.1f} µs/layer); "
-              f"compress_full_pages {r['compress_full_pages_us_per_step']:.0f} µs/step")
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=pathlib.Path)
+    p.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget of the whole model")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--sim-layers", type=int, default=1)
+    p.add_argument("--sim-heads", type=int, default=2)
+    p.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size at the model's shape")
+    p.add_argument("--request-tokens", type=int, default=8192)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=None, help="bookkeeping context (default 8192 on GPU, 2048 CPU)")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", choices=("fit", "bookkeeping"), help="run one part (default: both)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    args.context = args.context or (8192 if device.type == "cuda" else 2048)
+
+    result = {"command": "python " + " ".join(sys.argv), "device": str(device), "torch": torch.__version__,
+              "model": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim}}
+    if args.only != "bookkeeping":
+        result.update(fit_report(args, device))
+    if args.only != "fit":
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # a 64-token append is too small to share; OpenMP barriers stall on a busy box
+        bk = bookkeeping(args, device)
+        result["bookkeeping"] = bk
+        for name, r in (("prepare_step + per-layer append_kv", bk["prepare_step"]),
+                        ("per-layer append + page_table", bk["per_layer_append"])):
+            print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}, {name}: "
+                  f"{r['step_us']:.0f} µs/step, of which inside append_kv {r['inside_append_kv_us']:.0f} µs -> "
+                  f"bookkeeping {r['bookkeeping_us_per_step']:.0f} µs ({r['bookkeeping_us_per_layer']:.1f} µs/layer"
+                  + (f"; prepare_step alone {r['prepare_step_us']:.0f} µs)" if r["prepare_step_us"] else ")"))
+            print(f"  then compress_full_pages: {r['compress_full_pages_us_per_step']:.0f} µs/step for "
+                  f"{r['compress_pages_per_step']:.0f} pages, of which inside (de)compress_pages "
+                  f"{r['compress_inside_ops_us']:.0f} µs -> the rest {r['compress_rest_us']:.0f} µs")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_capacity.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -94,10 +94,28 @@ def check_accounting(cache, kept: dict, streams) -> None:
         if arena.owner[c] >= 0:
             assert arena.live[c] > 0, f"chunk {c} is owned but empty: it should be back in the pool"
     assert 0 <= st["fragmentation"] < 1 or owned == 0
-    for c, free in arena.free_slots.items():  # free slots read as zeros, so open pages' unwritten tokens do too
-        for off in free:
-            assert not cache.data[off: off + cache.page_bytes].any(), f"free slot at {off} is not zeroed"
+    check_free_slots(cache)
     assert arena.pool_need() <= len(arena.pool), "the pool can no longer keep the promises"
+
+
+def check_free_slots(cache) -> None:
+    """The arena's free slots (a stack per slot chunk) agree with its per-slot flags and per-layer counts, and read
+    as zeros, so open pages' unwritten tokens do too."""
+    arena = cache._arena
+    free = np.zeros_like(arena.slot_free)
+    for c in range(arena.num_chunks):
+        stack = arena.free_stack[c, : arena.free_top[c]]
+        assert arena.kind[c] == 1 or not len(stack), f"chunk {c} holds free slots but is no slot chunk"
+        assert (stack // arena.slots_per_chunk == c).all() and not free[stack].any(), f"chunk {c}'s free slots"
+        free[stack] = True
+        for s in stack.tolist():
+            off = s * arena.page_bytes
+            assert not cache.data[off: off + arena.page_bytes].any(), f"free slot at {off} is not zeroed"
+    assert (free == arena.slot_free).all(), "free-slot flags disagree with the stacks"
+    for layer, chunks in enumerate(arena.slot_chunks):
+        assert arena.free_slot_count[layer] == sum(int(arena.free_top[c]) for c in chunks)
+        assert arena.slot_chunk_count[layer] == len(chunks)
+        assert arena.sole_slot_chunk[layer] == (next(iter(chunks)) if len(chunks) == 1 else -1)
 
 
 def decode_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,

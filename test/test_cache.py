@@ -3,14 +3,17 @@ compaction, and admission by capacity(). Random interleavings of all of these: t
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import torch_zipkv
 from torch_zipkv import CacheFullError, CompressedPagedKVCache, ops
 from torch_zipkv import format as fmt
+from torch_zipkv.arena import Arena
 
-from cache_oracle import bits, check_accounting, check_contents, check_layout, decode_reference, rel_err, tokens
+from cache_oracle import (bits, check_accounting, check_contents, check_layout, decode_reference, live_streams, rel_err,
+                          tokens)
 from conftest import requires_cuda
 
 H, D, P = 2, 64, 16
@@ -382,6 +385,105 @@ def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
     with pytest.raises(CacheFullError, match="needs 2 new raw pages"):
         cache.prepare_step([s, t])  # both need a second page in both layers, beyond any budget
     assert cache.stats() == before and torch.equal(cache._meta, meta)
+
+
+def stored_bytes(cache, kept) -> torch.Tensor:
+    """The bytes of every live stream (read from the meta), in arena order."""
+    live = torch.zeros_like(cache.data, dtype=torch.bool)
+    for start, end, _, _ in live_streams(cache, kept):
+        live[start:end] = True
+    return cache.data[live]
+
+
+def arena_state(cache) -> tuple:
+    """Everything the arena decided: the tables, chunk kinds and owners, the pool and the free-slot stacks."""
+    a = cache._arena
+    stacks = [a.free_stack[c, : a.free_top[c]].tolist() for c in range(a.num_chunks)]
+    return (a.offset.tolist(), a.nbytes.tolist(), a.kind.tolist(), a.owner.tolist(), a.used.tolist(), list(a.pool),
+            stacks, a.dest.tolist())
+
+
+def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
+    """compress_full_pages() compresses the full pages of every layer with one decompress/compress call on the
+    all-layer meta rows and places them together where it can; rounds of one page (one layer at a time) and rounds
+    that split a layer give the same stored bytes and tables: with pages compressed in place (no packed room), packed
+    into destination chunks, and destination chunks filling up mid-round. (Bytes nothing reads may differ: a slot
+    freed in an earlier round is zeroed then, one whose chunk goes back to the pool in the same round is not.)"""
+    rounds = [None, 3 * PAGE_BYTES, PAGE_BYTES]  # everything at once, 3 pages, 1 page per round
+    caches = [make(layers=3, chunks=24, chunk_pages=4) for _ in rounds]
+    lens = [37, 50, 21]
+    sids = [[c.add_sequence(n, 30) for n in lens] for c in caches][0]  # the same ids in every cache
+    kept = {}
+    for layer in range(3):
+        for sid, n in zip(sids, lens):
+            fill_all = tokens(10 * layer + sid, n, H, D)
+            for c in caches:
+                c.append(layer, sid, *fill_all)
+            kept[(sid, layer)] = fill_all
+    one_at_a_time = []
+    original = Arena._repack_each
+    monkeypatch.setattr(Arena, "_repack_each", lambda self, *a: one_at_a_time.append(len(a[0])) or original(self, *a))
+
+    def compress():
+        layers_waiting = sum(x["waiting_full_pages"] > 0 for x in caches[0].stats()["layers"])
+        for c, r in zip(caches, rounds):
+            with monkeypatch.context() as m:
+                if r is not None:
+                    m.setattr(torch_zipkv.cache, "_COMPRESS_ROUND_BYTES", r)
+                c.compress_full_pages()
+        for c in caches[1:]:
+            assert torch.equal(stored_bytes(c, kept), stored_bytes(caches[0], kept))
+            assert torch.equal(c._meta, caches[0]._meta)
+            assert arena_state(c) == arena_state(caches[0]) and c.stats() == caches[0].stats()
+        return layers_waiting
+
+    hog = [c.add_sequence(c.capacity().pages * P) for c in caches][0]  # promises every free chunk: no packed room
+    assert compress() == 3
+    assert all(x["packed_chunks"] == 0 and x["stored_bytes"] < x["raw_bytes"] for x in caches[0].stats()["layers"])
+    for c in caches:
+        c.free_sequence(hog)
+    for step in range(40):
+        for c in caches:
+            st = c.prepare_step(sids)
+            for layer in range(3):
+                c.step_append(layer, st, *tokens(1000 * step + layer, len(sids), H, D))
+        for layer in range(3):
+            k, v = tokens(1000 * step + layer, len(sids), H, D)
+            for i, sid in enumerate(sids):
+                old = kept[(sid, layer)]
+                kept[(sid, layer)] = (torch.cat([old[0], k[i: i + 1]]), torch.cat([old[1], v[i: i + 1]]))
+        if step % 5 == 4:
+            compress()
+    assert one_at_a_time, "no destination chunk filled up during a round"
+    for c in caches:
+        check_all(c, kept)
+
+
+def test_uploads_come_back_as_sent():
+    """The cache's host-to-device copy: arrays of both index dtypes, any shape, empty ones too, as views of one
+    buffer with their dtype and shape."""
+    arrays = [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int64) - 2**40, np.empty(0, dtype=np.int64),
+              np.arange(24, dtype=np.int32).reshape(2, 3, 4), np.empty(0, dtype=np.int32), np.array([7], np.int64)]
+    upload = torch_zipkv.cache._Uploader(torch.device("cpu"))
+    for a, t in zip(arrays, upload(*arrays)):
+        assert t.dtype == torch.from_numpy(a).dtype and t.shape == a.shape and np.array_equal(t.numpy(), a)
+    assert upload() == []
+
+
+@requires_cuda
+def test_uploads_never_reuse_a_buffer_whose_copy_has_not_run():
+    """While the stream is busy, every upload takes a fresh pinned buffer (the earlier copies have not run); once
+    they have, buffers are reused. Every result is what was sent."""
+    upload = torch_zipkv.cache._Uploader(torch.device("cuda"))
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy while the host fills buffers
+    sent = [np.full(1000 + i, i, dtype=np.int32) for i in range(20)]
+    got = [upload(a, np.array([i], dtype=np.int64)) for i, a in enumerate(sent)]
+    assert len(upload.ring) == 20
+    torch.cuda.synchronize()
+    for i, (a, (t, u)) in enumerate(zip(sent, got)):
+        assert np.array_equal(t.cpu().numpy(), a) and u.item() == i
+    upload(sent[0])
+    assert len(upload.ring) == 20  # the oldest buffer was free again
 
 
 @requires_cuda

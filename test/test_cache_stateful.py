@@ -1,6 +1,7 @@
 """Random workloads against CompressedPagedKVCache (hypothesis, stateful): add / append (prefill chunks and decode
-steps, any layer, any subset of sequences) / compress / decode / free / compact, with the checks of cache_oracle after
-every step: contents bit-exact, no overlapping pages, accounting that adds up, promises that hold."""
+steps, any layer, any subset of sequences) / planned decode steps of every layer / compress / decode / free / compact,
+with the checks of cache_oracle after every step: contents bit-exact, no overlapping pages, accounting that adds up,
+promises that hold."""
 
 import torch
 from hypothesis import event, settings
@@ -85,6 +86,38 @@ class CacheMachine(RuleBasedStateMachine):
             old_k, old_v = self.kept[(s, layer)]
             self.kept[(s, layer)] = (torch.cat([old_k, k[at: at + c]]), torch.cat([old_v, v[at: at + c]]))
             at += c
+
+    @precondition(lambda self: self.budget)
+    @rule(data=st.data(), seed=st.integers(0, 2**31))
+    def step(self, data, seed):
+        """A decode step planned once for every layer (prepare_step), each layer's token written with step_append,
+        and one layer's attention through the step's page table."""
+        in_sync = [s for s in self.live() if len({self.kept[(s, layer)][0].shape[0] for layer in range(LAYERS)}) == 1]
+        if not in_sync:
+            return
+        sids = data.draw(st.lists(st.sampled_from(in_sync), min_size=1, max_size=len(in_sync), unique=True))
+        within = all(self.kept[(s, 0)][0].shape[0] < self.budget[s] for s in sids)
+        before = self.snapshot()
+        try:
+            step = self.cache.prepare_step(sids)
+        except CacheFullError:
+            event("step refused")
+            assert not within, "a step within the sequences' budgets ran out of memory"
+            assert self.snapshot() == before, "a refused step changed the cache"
+            return
+        for layer in range(LAYERS):
+            k, v = tokens(seed + layer, len(sids), HEADS, HEAD_DIM)
+            self.cache.step_append(layer, step, k, v)
+            for i, s in enumerate(sids):
+                old_k, old_v = self.kept[(s, layer)]
+                self.kept[(s, layer)] = (torch.cat([old_k, k[i: i + 1]]), torch.cat([old_v, v[i: i + 1]]))
+        layer = data.draw(st.integers(0, LAYERS - 1))
+        finite = [i for i, s in enumerate(sids) if (s, layer) not in self.wild]
+        q = torch.randn(len(sids), 2 * HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        out = self.cache.step_decode(layer, step, q)
+        ref = decode_reference(q, [self.kept[(s, layer)] for s in sids], PAGE)
+        for i in finite:
+            assert rel_err(out[i], ref[i]) < 1e-2
 
     @rule()
     def compress(self):

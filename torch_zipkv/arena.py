@@ -18,6 +18,10 @@ sequence its token budget at raw size). The pool must be able to keep every prom
 ``pool_need() <= len(pool)``, where a layer needs ``ceil((reserved - free slots) / slots_per_chunk)`` chunks from
 the pool. Every method keeps that true: unpromised pages and new packed chunks are handed out only when it stays
 true, and giving a chunk back frees as much as it removes. So a promised page can always be allocated.
+
+Speed. A decode step opens and fills a few pages in every layer, so the per-chunk and per-layer state is in numpy
+arrays and the methods a step calls (:meth:`Arena.place_raw`, :meth:`Arena.repack`, :meth:`Arena.release`) work on
+all layers' pages at once. Their results are, by construction, those of taking the pages one at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from . import format as fmt
 FREE, SLOTS, PACKED = 0, 1, 2  # chunk kinds
 
 
+def _run_starts(a: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of ``a`` begins."""
+    return np.concatenate(([True], a[1:] != a[:-1])).nonzero()[0] if len(a) else np.empty(0, dtype=np.int64)
+
+
 class Arena:
     """Chunks, slots and packed runs of one cache; ``offset``/``nbytes`` [layer, page] say where each page is."""
 
@@ -40,51 +49,66 @@ class Arena:
                              f"multiple of {fmt.STREAM_ALIGN}")
         self.num_layers, self.num_chunks, self.chunk_bytes, self.page_bytes = num_layers, num_chunks, chunk_bytes, \
             page_bytes
-        self.slots_per_chunk = chunk_bytes // page_bytes
+        S = self.slots_per_chunk = chunk_bytes // page_bytes
+        self._page_bytes = np.int64(page_bytes)  # slot numbers (int32) times this: byte offsets (int64)
+        self._from_top = np.arange(1, S + 1)  # stack positions below the top, nearest first
         # Where page p of layer l is: byte offset (-1: nowhere) and stored bytes (page_bytes while raw).
         self.offset = np.full((num_layers, max_pages), -1, dtype=np.int64)
         self.nbytes = np.zeros((num_layers, max_pages), dtype=np.int64)
         self.pool = list(range(num_chunks - 1, -1, -1))  # a stack: low chunks are handed out first
-        self.kind = [FREE] * num_chunks
-        self.owner = [-1] * num_chunks
-        self.live = [0] * num_chunks  # bytes held: page_bytes per occupied slot, or stored bytes of packed pages
-        self.used = [0] * num_chunks  # packed chunks: bump pointer, bytes from the chunk start
-        self.free_slots: dict[int, list[int]] = {}  # slot chunk -> free slot offsets
+        # Per chunk: kind, owning layer (-1: none), bytes held (page_bytes per occupied slot, or stored bytes of
+        # packed pages), and for packed chunks the bump pointer (bytes from the chunk start).
+        self.kind = np.full(num_chunks, FREE, dtype=np.int8)
+        self.owner = np.full(num_chunks, -1, dtype=np.int64)
+        self.live = np.zeros(num_chunks, dtype=np.int64)
+        self.used = np.zeros(num_chunks, dtype=np.int64)
+        # Free slots of slot chunk c: a stack of slot numbers (slot s is at byte s * page_bytes),
+        # free_stack[c, :free_top[c]], whose last entry is handed out next; slot_free[s] says whether s is on one.
+        self.free_stack = np.zeros((num_chunks, S), dtype=np.int32)
+        self.free_top = np.zeros(num_chunks, dtype=np.int64)
+        self.slot_free = np.zeros(num_chunks * S, dtype=bool)
+        # Per layer.
         self.slot_chunks: list[set[int]] = [set() for _ in range(num_layers)]
         self.packed_chunks: list[set[int]] = [set() for _ in range(num_layers)]
-        self.dest: list[int | None] = [None] * num_layers  # packed chunk that compressed pages are appended to
-        self.free_slot_count = [0] * num_layers
-        self.reserved = [0] * num_layers  # raw pages promised per layer; the cache keeps this up to date
-        self.dirty: list[tuple[int, int]] = []  # (offset, bytes) of slots freed or chunks made slots: to zero
+        self.slot_chunk_count = np.zeros(num_layers, dtype=np.int64)
+        self.sole_slot_chunk = np.full(num_layers, -1, dtype=np.int64)  # the slot chunk while there is exactly one
+        self.dest = np.full(num_layers, -1, dtype=np.int64)  # packed chunk compressed pages go to (-1: none yet)
+        self.free_slot_count = np.zeros(num_layers, dtype=np.int64)
+        self.reserved = np.zeros(num_layers, dtype=np.int64)  # raw pages promised; the cache keeps this up to date
+        # To zero (take_dirty): slots freed, and chunks made slot chunks.
+        self.dirty_slots: list[int] = []
+        self.dirty_chunks: list[int] = []
 
     # ---- promises -------------------------------------------------------------------------------------------
     def pool_need(self, extra: np.ndarray | None = None) -> int:
         """Chunks the pool must supply to keep every promise, plus ``extra`` [layers] more raw pages."""
-        short = np.asarray(self.reserved) - np.asarray(self.free_slot_count)
+        short = self.reserved - self.free_slot_count
         if extra is not None:
             short = short + extra
         return int(np.maximum(0, -(-short // self.slots_per_chunk)).sum())
 
-    def fits(self, layers: list[int], pages: int) -> bool:
+    def fits(self, layers: slice, pages: int) -> bool:
         """Whether each of ``layers`` can take ``pages`` raw pages beyond its promises, all at once, without breaking
         any promise."""
+        if pages <= 0:
+            return True
         # Promised pages always fit; so do these where a layer's own free slots cover its promises and them.
-        short = [layer for layer in layers if pages > self.free_slot_count[layer] - self.reserved[layer]]
-        if pages <= 0 or not short:
+        short = pages > self.free_slot_count[layers] - self.reserved[layers]
+        if not short.any():
             return True
         extra = np.zeros(self.num_layers, dtype=np.int64)
-        extra[short] = pages
+        extra[layers] = short * pages
         return self.pool_need(extra) <= len(self.pool)
 
     def spare_pages(self, layer: int) -> int:
         """The most raw pages ``layer`` can take beyond its promises (the largest n with ``fits([layer], n)``)."""
-        own = max(0, -(-(self.reserved[layer] - self.free_slot_count[layer]) // self.slots_per_chunk))
+        own = max(0, -(-int(self.reserved[layer] - self.free_slot_count[layer]) // self.slots_per_chunk))
         chunks = len(self.pool) - (self.pool_need() - own)  # pool chunks the other layers' promises leave
-        return max(0, self.free_slot_count[layer] + chunks * self.slots_per_chunk - self.reserved[layer])
+        return max(0, int(self.free_slot_count[layer]) + chunks * self.slots_per_chunk - int(self.reserved[layer]))
 
     def max_new_pages(self, extra: np.ndarray) -> int:
         """Largest n such that every layer can take n raw pages on top of its promises and ``extra`` [layers]."""
-        lo, hi = 0, len(self.pool) * self.slots_per_chunk + max(self.free_slot_count)
+        lo, hi = 0, len(self.pool) * self.slots_per_chunk + int(self.free_slot_count.max())
         if self.pool_need(extra) > len(self.pool):
             return 0
         while lo < hi:  # pool_need grows with n: binary search
@@ -100,97 +124,138 @@ class Arena:
         c = self.pool.pop()
         self.kind[c], self.owner[c], self.live[c], self.used[c] = kind, layer, 0, 0
         if kind == SLOTS:
-            base = c * self.chunk_bytes
-            self.free_slots[c] = [base + i * self.page_bytes for i in range(self.slots_per_chunk - 1, -1, -1)]
-            self.dirty.append((base, self.chunk_bytes))
+            S = self.slots_per_chunk
+            self.free_stack[c] = np.arange((c + 1) * S - 1, c * S - 1, -1)  # the lowest slot is handed out first
+            self.free_top[c] = S
+            self.slot_free[c * S: (c + 1) * S] = True
+            self.dirty_chunks.append(c)
             self.slot_chunks[layer].add(c)
-            self.free_slot_count[layer] += self.slots_per_chunk
+            self._slot_chunks_changed(layer)
+            self.free_slot_count[layer] += S
         else:
             self.packed_chunks[layer].add(c)
         return c
 
     def _give_back(self, c: int) -> None:
-        layer = self.owner[c]
+        layer = int(self.owner[c])
         if self.kind[c] == SLOTS:
-            del self.free_slots[c]
+            S = self.slots_per_chunk
+            self.free_top[c] = 0
+            self.slot_free[c * S: (c + 1) * S] = False
             self.slot_chunks[layer].discard(c)
-            self.free_slot_count[layer] -= self.slots_per_chunk
+            self._slot_chunks_changed(layer)
+            self.free_slot_count[layer] -= S
         else:
             self.packed_chunks[layer].discard(c)
             if self.dest[layer] == c:
-                self.dest[layer] = None
+                self.dest[layer] = -1
         self.kind[c], self.owner[c], self.live[c], self.used[c] = FREE, -1, 0, 0
         self.pool.append(c)
 
+    def _slot_chunks_changed(self, layer: int) -> None:
+        chunks = self.slot_chunks[layer]
+        self.slot_chunk_count[layer] = len(chunks)
+        self.sole_slot_chunk[layer] = next(iter(chunks)) if len(chunks) == 1 else -1
+
     # ---- slots ----------------------------------------------------------------------------------------------
-    def place_raw(self, layers: list[int], pages: list[int]) -> list[int]:
+    def place_raw(self, layers: slice, pages: np.ndarray) -> np.ndarray:
         """Give each page a free slot in each of ``layers`` (the caller checked :meth:`fits` or holds promises);
-        returns the offsets, layer by layer. Slots come from the fullest slot chunk, so sparse chunks drain and go
-        back to the pool. The table is written once for all layers (a decode step opens pages in every layer)."""
-        n, offsets = len(pages), []
-        for layer in layers:
-            chunks = self.slot_chunks[layer]
-            if len(chunks) == 1 and n <= len(self.free_slots[next(iter(chunks))]):  # steady decoding: no choice
-                c = next(iter(chunks))
-                free = self.free_slots[c]
-                offsets += free[-1: -n - 1: -1]  # the order pop() would give
-                del free[len(free) - n:]
-                self.free_slot_count[layer] -= n
-                self.live[c] += n * self.page_bytes
-                continue
-            for _ in pages:
-                chunks = self.slot_chunks[layer]
-                c = min((c for c in chunks if self.free_slots[c]), default=None, key=lambda c: len(self.free_slots[c]))
-                if c is None:
-                    c = self._take_chunk(layer, SLOTS)
-                offsets.append(self.free_slots[c].pop())
-                self.free_slot_count[layer] -= 1
-                self.live[c] += self.page_bytes
-        if n:
-            rows, cols = np.repeat(layers, n), np.tile(pages, len(layers))
-            self.offset[rows, cols], self.nbytes[rows, cols] = offsets, self.page_bytes
-        return offsets
-
-    def _release(self, layer: int, p: int) -> None:
-        off, size = int(self.offset[layer, p]), int(self.nbytes[layer, p])
-        c = off // self.chunk_bytes
-        if self.kind[c] == SLOTS:
-            self.free_slots[c].append(off)
-            self.dirty.append((off, self.page_bytes))
-            self.free_slot_count[layer] += 1
-            self.live[c] -= self.page_bytes
-            if len(self.free_slots[c]) == self.slots_per_chunk:
-                self._give_back(c)
+        returns the slot numbers [layers, pages] (slot s is at byte s * page_bytes). Slots come from the fullest slot
+        chunk, so sparse chunks drain and go back to the pool. A decode step opens pages in every layer: while each
+        layer has one slot chunk with room (steady decoding), all layers take their slots at once."""
+        n = len(pages)
+        sole = self.sole_slot_chunk[layers]
+        if sole.min() >= 0 and self.free_top[sole].min() >= n:
+            slots = self._pop_slots(sole, n)
         else:
-            self.live[c] -= size
-            if self.live[c] == 0:
+            slots = np.stack([self._take_fullest(self.slot_chunks[layer], n, layer)
+                              for layer in range(self.num_layers)[layers]])
+        self.free_slot_count[layers] -= n
+        self.offset[layers, pages], self.nbytes[layers, pages] = slots * self._page_bytes, self.page_bytes
+        return slots
+
+    def _take_fullest(self, chunks, n: int, layer: int | None = None) -> np.ndarray:
+        """n free slots, each from the fullest of ``chunks`` that has one (ties: the first), or, when none has, from a
+        chunk taken from the pool for ``layer``. Taking slots from a chunk keeps it the fullest, so this pops runs of
+        slots, chunk by chunk, exactly as one pop at a time would."""
+        out = [np.empty(0, dtype=np.int32)]
+        while n:
+            c = min((c for c in chunks if self.free_top[c]), default=None, key=lambda c: self.free_top[c])
+            if c is None:
+                c = self._take_chunk(layer, SLOTS)
+            k = min(n, int(self.free_top[c]))
+            out.append(self._pop_slots(np.array([c]), k)[0])
+            n -= k
+        return np.concatenate(out)
+
+    def _pop_slots(self, chunks: np.ndarray, k: int) -> np.ndarray:
+        """The next k free slots [len(chunks), k] of each of ``chunks`` (distinct slot chunks, each with k free
+        slots), in the order single pops give. The caller counts them off its layers' ``free_slot_count``."""
+        top = self.free_top[chunks]
+        slots = self.free_stack[chunks[:, None], top[:, None] - self._from_top[:k]]
+        self.free_top[chunks] = top - k
+        self.slot_free[slots] = False
+        self.live[chunks] += k * self.page_bytes
+        return slots
+
+    def _push_slots(self, slots: np.ndarray) -> None:
+        """Put free slots (slot numbers) on their chunks' stacks, in this order."""
+        if not len(slots):
+            return
+        chunks = slots // self.slots_per_chunk
+        order = np.argsort(chunks, kind="stable")
+        chunks, slots = chunks[order], slots[order]
+        rank = np.arange(len(chunks)) - np.searchsorted(chunks, chunks)  # pushes to the same chunk before this one
+        self.free_stack[chunks, self.free_top[chunks] + rank] = slots
+        np.add.at(self.free_top, chunks, 1)
+        self.slot_free[slots] = True
+
+    def release(self, layers: np.ndarray, pages: np.ndarray) -> None:
+        """Forget where pages ``(layers[i], pages[i])`` are, in this order: their slots become free (to be zeroed),
+        their packed bytes holes. Chunks left empty go back to the pool in the order they empty."""
+        off = self.offset[layers, pages]
+        chunks = off // self.chunk_bytes
+        in_slot = self.kind[chunks] == SLOTS
+        slots = off[in_slot] // self.page_bytes
+        self._push_slots(slots)
+        self.dirty_slots.extend(slots.tolist())
+        np.add.at(self.free_slot_count, layers[in_slot], 1)
+        np.subtract.at(self.live, chunks, np.where(in_slot, self.page_bytes, self.nbytes[layers, pages]))
+        self.offset[layers, pages], self.nbytes[layers, pages] = -1, 0
+        emptied = chunks[self.live[chunks] == 0][::-1]  # chunks left empty, once per page, from the last page
+        if len(emptied):
+            last = np.sort(np.unique(emptied, return_index=True)[1])  # each chunk's last page, from the end
+            for c in emptied[last][::-1].tolist():  # in the order they emptied
                 self._give_back(c)
-        self.offset[layer, p], self.nbytes[layer, p] = -1, 0
 
-    def remove(self, layer: int, pages) -> None:
+    def remove(self, layer: int, pages: np.ndarray) -> None:
         """Forget pages (freed sequences); chunks that empty go back to the pool."""
-        for p in pages:
-            if self.offset[layer, p] >= 0:
-                self._release(layer, int(p))
+        pages = pages[self.offset[layer, pages] >= 0]
+        self.release(np.full(len(pages), layer), pages)
 
-    def take_dirty(self) -> list[tuple[int, int]]:
-        """Byte ranges the cache must zero now so that every free slot reads as zeros (the unwritten tokens of an open
-        page are then zeros, never stale compressed bytes that could decode as NaN): freed slots that are still free
-        and chunks that became slot chunks (zeroed before any slot in them is written)."""
-        out = []
-        for off, n in self.dirty:
-            c = off // self.chunk_bytes
-            if self.kind[c] == SLOTS and (n == self.chunk_bytes or off in self.free_slots[c]):
-                out.append((off, n))
-        self.dirty = []
-        return out
+    def take_dirty(self) -> np.ndarray:
+        """Slot numbers (slot s is at byte s * page_bytes) the cache must zero now so that every free slot reads as
+        zeros (the unwritten tokens of an open page are then zeros, never stale compressed bytes that could decode as
+        NaN): freed slots that are still free (a free slot is in a slot chunk) and every slot of chunks that became
+        slot chunks and still are (zeroed before any slot in them is written)."""
+        if not self.dirty_slots and not self.dirty_chunks:
+            return np.empty(0, dtype=np.int64)
+        slots = np.array(self.dirty_slots, dtype=np.int64)
+        chunks = np.array(self.dirty_chunks, dtype=np.int64)
+        self.dirty_slots, self.dirty_chunks = [], []
+        slots = slots[self.slot_free[slots]]
+        if len(chunks):
+            S = self.slots_per_chunk
+            chunks = chunks[self.kind[chunks] == SLOTS]
+            slots = np.concatenate([slots, (chunks[:, None] * S + np.arange(S)).ravel()])
+        return slots
 
     # ---- packed runs ----------------------------------------------------------------------------------------
     def _alloc_packed(self, layer: int, size: int, take: bool = True) -> int | None:
         """Room for ``size`` bytes in a packed chunk of ``layer``: the destination's tail, another packed chunk's
         tail, or (if ``take``) a chunk from the pool if every promise still holds without it. None if none."""
-        d = self.dest[layer]
-        if d is None or self.used[d] + size > self.chunk_bytes:
+        d = int(self.dest[layer])
+        if d < 0 or self.used[d] + size > self.chunk_bytes:
             tails = [c for c in self.packed_chunks[layer] if self.used[c] + size <= self.chunk_bytes]
             if tails:
                 d = max(tails, key=lambda c: self.chunk_bytes - self.used[c])
@@ -199,24 +264,51 @@ class Arena:
             else:
                 return None
             self.dest[layer] = d
-        off = d * self.chunk_bytes + self.used[d]
+        off = d * self.chunk_bytes + int(self.used[d])
         self.used[d] += size
         self.live[d] += size
         return off
 
-    def repack(self, layer: int, pages: list[int], sizes: list[int]) -> list[int]:
-        """Pages of ``layer`` now compressed to ``sizes`` bytes: move each into packed room, freeing its slot, or
-        keep it in its own slot (in place) when there is none. Returns the new offsets."""
+    def repack(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Raw pages ``(layers[i], pages[i])`` (layers ascending) now compressed to ``sizes[i]`` bytes, in this order:
+        move each into packed room of its layer, freeing its slot, or keep it in its own slot (in place) when there
+        is none. Returns the new offsets. Layers whose destination chunk takes all their pages (the common case) are
+        placed together; the others one page at a time."""
+        starts = _run_starts(layers)  # each layer's first page
+        dest = self.dest[layers[starts]]
+        fits = (dest >= 0) & (self.used[dest] + np.add.reduceat(sizes, starts) <= self.chunk_bytes)
+        # Runs of layers that all fit, or all do not, in order: the order decides what the pool holds for the next.
+        change = _run_starts(fits)
+        bounds = starts[change].tolist() + [len(pages)]
+        offsets = np.empty(len(pages), dtype=np.int64)
+        for a, b, fit in zip(bounds, bounds[1:], fits[change].tolist()):
+            place = self._append_packed if fit else self._repack_each
+            offsets[a:b] = place(layers[a:b], pages[a:b], sizes[a:b])
+        self.offset[layers, pages], self.nbytes[layers, pages] = offsets, sizes
+        return offsets
+
+    def _append_packed(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Pages (layers ascending) whose destination chunks have room for all of them: appended there in order,
+        slots freed."""
+        dest = self.dest[layers]
+        before = np.cumsum(sizes) - sizes  # bytes of the pages before each
+        first = np.searchsorted(layers, layers)  # each page's layer's first page
+        offsets = dest * self.chunk_bytes + self.used[dest] + before - before[first]
+        np.add.at(self.used, dest, sizes)
+        np.add.at(self.live, dest, sizes)
+        self.release(layers, pages)
+        return offsets
+
+    def _repack_each(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         out = []
-        for p, size in zip(pages, sizes):
+        for layer, p, size in zip(layers.tolist(), pages.tolist(), sizes.tolist()):
             off = self._alloc_packed(layer, size)
             if off is None:
                 off = int(self.offset[layer, p])  # in place: the slot stays taken, the page is just smaller
             else:
-                self._release(layer, p)
-            self.offset[layer, p], self.nbytes[layer, p] = off, size
+                self.release(np.array([layer]), np.array([p]))
             out.append(off)
-        return out
+        return np.array(out, dtype=np.int64)
 
     # ---- compaction -----------------------------------------------------------------------------------------
     def _pages_in(self, layer: int, c: int) -> np.ndarray:
@@ -246,7 +338,7 @@ class Arena:
         layer's chunk need cannot grow: all its in-place pages then fit in fewer new chunks than draining the slots
         they leave gives back (or a slot chunk holds nothing else)."""
         S, C = self.slots_per_chunk, self.chunk_bytes
-        occupied = len(self.slot_chunks[layer]) * S - self.free_slot_count[layer]
+        occupied = int(self.slot_chunk_count[layer] * S - self.free_slot_count[layer])
         chunks = sorted(self.slot_chunks[layer])
         per_chunk = [self._pages_in(layer, c) for c in chunks]
         small = [p for pages in per_chunk for p in pages if self.nbytes[layer, p] < self.page_bytes]
@@ -259,31 +351,31 @@ class Arena:
                 size = int(self.nbytes[layer, p])
                 if size < self.page_bytes and (off := self._alloc_packed(layer, size, take)) is not None:
                     old = int(self.offset[layer, p])
-                    self._release(layer, int(p))
+                    self.release(np.array([layer]), np.array([p]))  # one at a time: it may give room to the next
                     self.offset[layer, p], self.nbytes[layer, p] = off, size
                     batch.append((int(p), old, off, size))
             if batch:
                 yield batch
 
+    def spare_slot_chunks(self, layers) -> np.ndarray:
+        """Slot chunks each of ``layers`` holds beyond those its occupied slots need (it keeps one even when none
+        is)."""
+        chunks = self.slot_chunk_count[layers]
+        occupied = chunks * self.slots_per_chunk - self.free_slot_count[layers]
+        return chunks - np.maximum(1, -(-occupied // self.slots_per_chunk))
+
     def drain_slots(self, layer: int, slack: int = 0) -> Iterator[list[tuple[int, int, int, int]]]:
         """Move pages of the sparsest slot chunks into free slots of the others until the layer holds at most
         ``slack`` more slot chunks than its pages need; the emptied chunks go back to the pool."""
-        while True:
-            chunks = sorted(self.slot_chunks[layer], key=lambda c: (-len(self.free_slots[c]), c))
-            occupied = len(chunks) * self.slots_per_chunk - self.free_slot_count[layer]
-            if len(chunks) <= max(1, -(-occupied // self.slots_per_chunk)) + slack:
-                break
-            src = chunks[0]
-            batch = []
-            for p in self._pages_in(layer, src):
-                c = min((c for c in chunks[1:] if self.free_slots[c]), key=lambda c: len(self.free_slots[c]))
-                new, old, size = self.free_slots[c].pop(), int(self.offset[layer, p]), int(self.nbytes[layer, p])
-                self.free_slot_count[layer] -= 1
-                self.live[c] += self.page_bytes
-                self._release(layer, int(p))  # gives src back when its last page leaves
-                self.offset[layer, p], self.nbytes[layer, p] = new, size
-                batch.append((int(p), old, new, size))
-            yield batch
+        while self.spare_slot_chunks(layer) > slack:
+            src, *others = sorted(self.slot_chunks[layer], key=lambda c: (-self.free_top[c], c))
+            pages = self._pages_in(layer, src)
+            new = self._take_fullest(others, len(pages)) * self._page_bytes
+            old, size = self.offset[layer, pages], self.nbytes[layer, pages]
+            self.free_slot_count[layer] -= len(pages)
+            self.release(np.full(len(pages), layer), pages)  # gives src back: its pages all leave
+            self.offset[layer, pages], self.nbytes[layer, pages] = new, size
+            yield list(zip(pages.tolist(), old.tolist(), new.tolist(), size.tolist()))
 
     def _close_packed(self, layer: int) -> Iterator[list[tuple[int, int, int, int]]]:
         """Slide each packed chunk's pages to its start, then empty the sparsest into the others' tails."""
@@ -302,7 +394,7 @@ class Arena:
         while len(self.packed_chunks[layer]) > 1:
             src, *others = sorted(self.packed_chunks[layer], key=lambda c: (self.live[c], c))
             pages = self._pages_in(layer, src)
-            room = {c: self.chunk_bytes - self.used[c] for c in others}
+            room = {c: self.chunk_bytes - int(self.used[c]) for c in others}
             targets = []
             for p in pages:
                 size = int(self.nbytes[layer, p])
@@ -313,15 +405,14 @@ class Arena:
                 targets.append(c)
             if len(targets) < len(pages):
                 break
-            batch = []
-            for p, c in zip(pages, targets):
-                size, old = int(self.nbytes[layer, p]), int(self.offset[layer, p])
-                new = c * self.chunk_bytes + self.used[c]
-                self.used[c] += size
-                self.live[c] += size
-                self._release(layer, int(p))
-                self.offset[layer, p], self.nbytes[layer, p] = new, size
-                batch.append((int(p), old, new, size))
-            yield batch
-        if self.dest[layer] is None and self.packed_chunks[layer]:
+            old, size = self.offset[layer, pages], self.nbytes[layer, pages]
+            new = []
+            for c, n in zip(targets, size.tolist()):
+                new.append(c * self.chunk_bytes + int(self.used[c]))
+                self.used[c] += n
+                self.live[c] += n
+            self.release(np.full(len(pages), layer), pages)  # gives src back: its pages all leave
+            self.offset[layer, pages], self.nbytes[layer, pages] = new, size
+            yield list(zip(pages.tolist(), old.tolist(), new, size.tolist()))
+        if self.dest[layer] < 0 and self.packed_chunks[layer]:
             self.dest[layer] = max(self.packed_chunks[layer], key=lambda c: self.chunk_bytes - self.used[c])

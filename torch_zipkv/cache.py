@@ -10,12 +10,17 @@ How it is put together (DESIGN.md §3, memory manager):
   between decode steps (after the attention that read them), compresses them into packed chunks and frees the slots.
 - Sequences are charged their token budget at raw size when added (the arena's promises), so a sequence admitted by
   ``add_sequence`` / ``capacity()`` can always grow to its budget; compression only ever gives bytes back.
-- Decode steps cost the host a few dict lookups and small numpy ops per layer: the token -> (page, slot) plan and the
-  page table are built once per step and reused by every layer, and nothing waits for the device.
+- Host work is batched, not per layer: :meth:`~CompressedPagedKVCache.prepare_step` plans a decode step for every
+  layer (token -> (page, slot), the page table, the pages it opens in every layer) and sends it all to the device in
+  one copy; ``compress_full_pages`` compresses the full pages of every layer with one op pair on a view of all layers'
+  meta rows (row ``layer * max_pages + page``). Host arrays reach the device through :class:`_Uploader` (one copy per
+  call, pinned buffers reused, never waiting for the device).
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -81,26 +86,91 @@ class _Batch:
     key: tuple
     seqs: list
     rows: np.ndarray
+    table: tuple | None = None  # (pages per sequence, kv_indptr, kv_indices) of the page table last built
 
 
 @dataclass
 class _Plan:
     """One append, the same for every layer that starts at the same lengths (so built once per step)."""
 
+    start: np.ndarray  # lengths before the append
+    counts: np.ndarray | None  # tokens appended to each sequence; None: one each
     end: np.ndarray  # lengths after the append
     new: list  # (batch index, page index) of pages whose first token this append writes
     filled: list  # (batch index, page index) of pages this append completes
-    seq_index: np.ndarray  # batch index of each token
-    pos: np.ndarray  # position of each token in its sequence
-    page_ids: torch.Tensor | None = None  # on the device, once the pages have ids
+    page_ids: torch.Tensor | None = None  # each token's page and slot on the device, once the pages have ids
     slots: torch.Tensor | None = None
-    filled_ids: list | None = None
 
 
 def _remember(memo: dict, key, value) -> None:
     if len(memo) >= _MEMO:
         del memo[next(iter(memo))]
     memo[key] = value
+
+
+def _ranges(counts: np.ndarray, *starts: np.ndarray) -> list[np.ndarray]:
+    """For each array of ``starts``: starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1 for every i,
+    concatenated (dtype of counts)."""
+    ends = np.cumsum(counts)
+    within = np.arange(ends[-1] if len(ends) else 0, dtype=counts.dtype) - np.repeat(ends - counts, counts)
+    return [np.repeat(s, counts) + within for s in starts]
+
+
+_PAD = np.zeros(1, dtype=np.int32)
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
+class _Uploader:
+    """int32 / int64 host arrays to a device in one copy per call, as views of one device buffer.
+
+    On CUDA the arrays are packed into a pinned buffer and copied asynchronously. Buffers are reused, oldest first,
+    once the copy that last read them has run (a CUDA event each, queried, never waited on); while none has, a new
+    one is made. So nothing is pinned per call and the host never waits for the device. On CPU the tensors are views
+    of a fresh host buffer."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.on_cpu = device, device.type == "cpu"
+        self.ring: collections.deque = collections.deque()  # (pinned int32 buffer, event of its last copy)
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        if not arrays:
+            return []
+        parts, sizes, index, at = [], [], [], 0  # int32 words to send, their sizes, which are the arrays, words so far
+        for a in arrays:
+            words = a.ravel()
+            if a.dtype == np.int64:
+                if at % 2:  # an int64 view needs an 8-byte aligned start
+                    parts.append(_PAD)
+                    sizes.append(1)
+                    at += 1
+                words = words.view(np.int32)
+            index.append(len(parts))
+            parts.append(words)
+            sizes.append(len(words))
+            at += len(words)
+        parts.append(_PAD)  # never empty: views of an empty buffer cannot change dtype
+        sizes.append(1)
+        if self.on_cpu:
+            dev = torch.from_numpy(np.concatenate(parts))
+        else:
+            host, done = self._pinned(at + 1)
+            np.concatenate(parts, out=host.numpy()[: at + 1])
+            dev = host[: at + 1].to(self.device, non_blocking=True)
+            done.record(torch.cuda.current_stream(self.device))
+            self.ring.append((host, done))
+        pieces = dev.split_with_sizes(sizes)
+        return [pieces[i] if a.dtype == np.int32 and a.ndim == 1 else
+                pieces[i].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for i, a in zip(index, arrays)]
+
+    def _pinned(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The oldest buffer if its last copy has run, else a new one; grown to at least ``n`` words."""
+        if self.ring and self.ring[0][1].query():
+            host, done = self.ring.popleft()
+        else:
+            host, done = torch.empty(0, dtype=torch.int32), torch.cuda.Event()
+        if host.numel() < n:
+            host = torch.empty(max(n, 2 * host.numel(), 16 << 10), dtype=torch.int32, pin_memory=True)
+        return host, done
 
 
 class CompressedPagedKVCache:
@@ -166,18 +236,32 @@ class CompressedPagedKVCache:
                              f"{max_pages} pages ({id_bytes} bytes each)")
         if num_chunks * self.chunk_bytes >= fmt.STREAM_ALIGN << 31:
             raise ValueError("the arena would pass the format's 512 GiB offset limit")
+        if num_layers * max_pages >= 1 << 31:
+            raise ValueError(f"num_layers * max_pages = {num_layers * max_pages} meta rows: int32 row ids need < 2**31")
 
         self.data = torch.zeros(num_chunks * self.chunk_bytes, dtype=torch.uint8, device=device)
         self._meta = torch.full((num_layers, max_pages, 2, num_kv_heads, W), fmt.NO_STREAM, dtype=torch.int32,
                                 device=device)
         self._meta_views = list(self._meta)  # meta(layer) without an indexing op per call
+        # data in 256-byte units (moves) and raw-page units (zeroing), as int64 words: 8 bytes per indexed element
+        self._units = self.data.view(torch.int64).view(-1, fmt.STREAM_ALIGN // 8)
+        self._raw_pages = self.data.view(torch.int64).view(-1, self.page_bytes // 8)
+        # Every layer's meta rows as one table (row layer * max_pages + page): one op call covers pages of all layers.
+        self._meta_rows = self._meta.view(-1, 2, num_kv_heads, W)
+        self._meta_starts = self._meta_rows[..., 0]  # word 0 of each stream: where it starts (in STREAM_ALIGN units)
+        self._first_rows = np.arange(num_layers, dtype=np.int64) * max_pages  # each layer's row 0
+        self._upload = _Uploader(device)
+        self._all_layers = np.arange(num_layers)
         self._arena = Arena(num_layers, max_pages, num_chunks, self.chunk_bytes, self.page_bytes)
         # Meta rows of an open page at offset 0: stream (K|V, head) starts at (kv * H + head) * stream bytes.
         stream_units = page_size * head_dim * 2 // fmt.STREAM_ALIGN
         self._raw_rows = np.empty((2, num_kv_heads, W), dtype=np.int32)
         self._raw_rows[..., 1:] = fmt.raw_descriptor_words(page_size, head_dim)
         self._raw_rows[..., 0] = np.arange(2 * num_kv_heads).reshape(2, num_kv_heads) * stream_units
-        self._word0 = (np.arange(self._raw_rows.size) % W == 0).astype(np.int64)  # flat row positions of word 0
+        # Per flat row position: the STREAM_ALIGN units of a slot at word 0, else 0. A slot number times this, plus
+        # the template, gives the rows of a page open in that slot.
+        word0 = (np.arange(self._raw_rows.size) % W == 0).astype(np.int32)
+        self._slot_word0 = word0 * (self.page_bytes // fmt.STREAM_ALIGN)
 
         self._seqs: dict[int, _Seq] = {}
         self._next_seq_id = 0
@@ -212,8 +296,7 @@ class CompressedPagedKVCache:
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         seq = _Seq(self._free_rows.pop(), budget)
         self._len[seq.row] = 0
-        for layer in range(self.num_layers):
-            self._arena.reserved[layer] += budget
+        self._arena.reserved += budget
         self._reserved_ids += budget
         seq_id = self._next_seq_id
         self._next_seq_id += 1
@@ -226,14 +309,14 @@ class CompressedPagedKVCache:
         seq = self._seq(seq_id)
         for layer in range(self.num_layers):
             pages = -(-int(self._len[seq.row, layer]) // self.page_size)
-            self._arena.remove(layer, seq.pages[:pages].tolist())
+            self._arena.remove(layer, seq.pages[:pages])
             self._arena.reserved[layer] -= max(0, seq.budget - pages)
             for p in seq.pages[:pages].tolist():
                 self._full[layer].pop(p, None)
         ids = seq.pages[: seq.num_ids]
-        if len(ids):
-            self._meta[:, self._tensor(ids.astype(np.int64))] = fmt.NO_STREAM  # stale ids now fail loudly
-        self._zero_dirty()
+        ids_t, zero = self._upload(ids, self._arena.take_dirty())
+        self._meta[:, ids_t] = fmt.NO_STREAM  # stale ids now fail loudly
+        self._zero_pages(zero)
         self._free_ids.extend(ids.tolist())
         self._reserved_ids -= max(0, seq.budget - seq.num_ids)
         self._free_rows.append(seq.row)
@@ -270,12 +353,16 @@ class CompressedPagedKVCache:
             return
         start = self._len[batch.rows, layer]
         plan = self._plan(batch, start, single, n)
-        self._open_pages([layer], batch, plan)
-        self._plan_tensors(batch, plan)
+        writes = self._open_pages(slice(layer, layer + 1), batch, plan)
+        tokens = self._token_slots(batch, plan) if plan.page_ids is None else []  # once: the layers share them
+        sent = self._upload(*writes, *tokens)
+        self._write_pages(*sent[: len(writes)])
+        if tokens:
+            plan.page_ids, plan.slots = sent[len(writes):]
         ops.append_kv(k.contiguous(), v.contiguous(), plan.page_ids, plan.slots, self.page_size, self.data,
                       self.meta(layer))
         self._len[batch.rows, layer] = plan.end
-        self._full[layer].update(dict.fromkeys(plan.filled_ids))
+        self._full[layer].update(dict.fromkeys(self._filled_ids(batch, plan)))
 
     def page_table(self, layer: int, seq_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """FlashInfer page table of ``seq_ids`` in ``layer``: int32 ``kv_indptr [B+1]``, ``kv_indices [nnz]``,
@@ -286,13 +373,9 @@ class CompressedPagedKVCache:
         key = (batch.key, lens.tobytes())
         table = self._tables.get(key)
         if table is None:
-            pages = -(-lens // self.page_size)
-            indptr = np.zeros(len(lens) + 1, dtype=np.int32)
-            np.cumsum(pages, out=indptr[1:])
-            indices = np.concatenate([s.pages[:p] for s, p in zip(batch.seqs, pages.tolist())] +
-                                     [np.empty(0, dtype=np.int32)])
-            last = np.where(lens > 0, (lens - 1) % self.page_size + 1, 0).astype(np.int32)
-            table = (self._tensor(indptr), self._tensor(indices), self._tensor(last))
+            indptr, indices = self._table(batch, -(-lens // self.page_size))
+            last = np.minimum(lens, (lens - 1) % self.page_size + 1).astype(np.int32)  # 0 for no tokens
+            table = tuple(self._upload(indptr, indices, last))
             _remember(self._tables, key, table)
         return table
 
@@ -327,18 +410,25 @@ class CompressedPagedKVCache:
         batch = self._batch(seq_ids)
         lens = self._len[batch.rows]  # [B, layers]
         start = lens[:, 0]
-        if not (lens == start[:, None]).all():
+        if (lens != start[:, None]).any():
             raise ValueError("prepare_step needs every layer at the same length for these sequences; use append() "
                              "per layer otherwise")
-        plan = self._plan(batch, start, False, len(batch.seqs))
-        self._open_pages(list(range(self.num_layers)), batch, plan)
-        self._plan_tensors(batch, plan)
+        plan = self._build_plan(start, None)  # used once: not remembered
+        writes = self._open_pages(slice(None), batch, plan)
+        indptr, indices = self._table(batch, start // self.page_size + 1)  # the pages after the step
+        page_ids = indices[indptr[1:] - 1]  # every sequence's new token goes to its last page
+        slots = (start % self.page_size).astype(np.int32)
+        last = slots + 1  # the new token is the last page's last
+        # The step's one host-to-device copy. The step's tensors come first, nnz-sized last, so each sits at the same
+        # place of the buffer every step of a batch.
+        page_ids, slots, indptr, last, indices, *writes = self._upload(page_ids, slots, indptr, last, indices, *writes)
+        self._write_pages(*writes)
         self._len[batch.rows] = plan.end[:, None]
-        if plan.filled_ids:
-            filled = dict.fromkeys(plan.filled_ids)
+        if plan.filled:
+            filled = dict.fromkeys(self._filled_ids(batch, plan))
             for full in self._full:
                 full.update(filled)
-        return DecodeStep(plan.page_ids, plan.slots, *self.page_table(0, seq_ids))
+        return DecodeStep(page_ids, slots, indptr, indices, last)
 
     def step_append(self, layer: int, step: "DecodeStep", k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer's tokens of a step planned by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D])."""
@@ -357,7 +447,7 @@ class CompressedPagedKVCache:
         seq = self._seq(seq_id)
         length = int(self._len[seq.row, layer])
         n = -(-length // self.page_size)
-        ids = self._tensor(seq.pages[:n].copy())
+        ids, = self._upload(seq.pages[:n])
         pages = ops.decompress_pages(self.data, self.meta(layer), ids, self.page_size, self.head_dim)
         k, v = (pages[:, i].reshape(n * self.page_size, self.num_kv_heads, self.head_dim)[:length] for i in (0, 1))
         return k, v
@@ -371,105 +461,99 @@ class CompressedPagedKVCache:
         """Compress every full page still stored raw and return how many. Call it between decode steps (after the
         attention that read those pages). Pages go to packed chunks, freeing their slots; when no packed room can be
         taken without breaking a promise, a page is compressed in place in its own slot (after one huge compression,
-        e.g. all layers of a long prefill at once, the last layers may end up so; :meth:`compact` packs them). One
-        device sync per round of up to 256 MiB of pages."""
-        todo = [(layer, list(full)) for layer, full in enumerate(self._full) if full]
+        e.g. all layers of a long prefill at once, the last layers may end up so; :meth:`compact` packs them). A
+        round of up to 256 MiB of pages, of any layers, is one decompress and one compress call and one device sync.
+        """
+        counts = [len(full) for full in self._full]
+        layers = self._all_layers.repeat(counts)
+        pids = np.fromiter(itertools.chain.from_iterable(self._full), dtype=np.int64, count=len(layers))
         limit = max(1, _COMPRESS_ROUND_BYTES // self.page_bytes)
-        done = 0
-        while todo:
-            group, count = [], 0
-            while todo and count < limit:
-                layer, pages = todo[0]
-                take = pages[: limit - count]
-                group.append((layer, take))
-                count += len(take)
-                todo[0] = (layer, pages[len(take):])
-                if not todo[0][1]:
-                    todo.pop(0)
-            self._compress(group)
-            done += count
+        for at in range(0, len(pids), limit):
+            self._compress(layers[at: at + limit], pids[at: at + limit])
         # Slots the pages left are scattered among open pages (after a prefill, one open page per chunk): drain
         # layers holding more than one spare slot chunk, so the room returns to the pool for any layer.
-        self._apply(lambda layer: self._arena.drain_slots(layer, slack=1))
-        return done
+        spare = (self._arena.spare_slot_chunks(self._all_layers) > 1).nonzero()[0].tolist()
+        if spare:
+            self._apply(lambda layer: self._arena.drain_slots(layer, slack=1), spare)
+        return len(pids)
 
-    def _compress(self, group: list[tuple[int, list[int]]]) -> None:
-        """Compress pages into a scratch buffer (room for all of them raw, so it cannot overflow), read back where
-        each page's streams start (the one sync), place them, copy them there and shift their meta rows."""
-        R = self.page_bytes
-        scratch = torch.empty(sum(len(p) for _, p in group) * R, dtype=torch.uint8, device=self.device)
-        bases = np.cumsum([0] + [len(p) * R for _, p in group])
-        cursors = self._tensor(np.stack([np.zeros(len(group), np.int64), bases[1:] - bases[:-1]], 1))
-        heads = []
-        for g, (layer, pages) in enumerate(group):
-            ids = self._tensor(np.array(pages, dtype=np.int32))
-            kv = ops.decompress_pages(self.data, self.meta(layer), ids, self.page_size, self.head_dim)
-            ops.compress_pages(kv, ids, scratch[bases[g]: bases[g + 1]], self.meta(layer), cursors[g])
-            heads.append(self.meta(layer)[ids, 0, 0, 0])  # word 0 of (K, head 0): where the page's streams start
-        back = torch.cat(heads + [cursors[:, 0].to(torch.int32)]).cpu().numpy().astype(np.int64)
-        src, dst, sizes, shift, layers, pids = [], [], [], [], [], []
-        at = 0
-        for g, (layer, pages) in enumerate(group):
-            starts = back[at: at + len(pages)] * fmt.STREAM_ALIGN  # within this layer's part of scratch
-            at += len(pages)
-            size = np.diff(np.append(starts, back[len(back) - len(group) + g]))
-            offsets = np.array(self._arena.repack(layer, pages, size.tolist()), dtype=np.int64)
-            src.append(bases[g] + starts)
-            dst.append(offsets)
-            sizes.append(size)
-            shift.append((offsets - starts) // fmt.STREAM_ALIGN)
-            layers += [layer] * len(pages)
-            pids += pages
-            for p in pages:
-                del self._full[layer][p]
-        self._copy(np.concatenate(dst), np.concatenate(src), np.concatenate(sizes), scratch)
-        self._shift_rows(np.array(layers), np.array(pids), np.concatenate(shift))
-        self._zero_dirty()  # the slots the pages left
+    def _compress(self, layers: np.ndarray, pids: np.ndarray) -> None:
+        """Compress pages (layers[i], pids[i]) of any layers, with one decompress and one compress call on the meta
+        rows of all layers, into a scratch buffer (room for all of them raw, so it cannot overflow); read back where
+        each page's streams start (the one sync); place them in this order; copy them there, shift their meta rows
+        and zero the slots they left."""
+        A = fmt.STREAM_ALIGN
+        scratch = torch.empty(len(pids) * self.page_bytes, dtype=torch.uint8, device=self.device)
+        rows = self._rows(layers, pids)
+        ids, cursor = self._upload(rows.astype(np.int32), np.array([0, scratch.numel()], dtype=np.int64))
+        kv = ops.decompress_pages(self.data, self._meta_rows, ids, self.page_size, self.head_dim)
+        ops.compress_pages(kv, ids, scratch, self._meta_rows, cursor)
+        # The round's one sync: where each page's streams start (word 0 of (K, head 0), in units of A) and where the
+        # last page ends (the cursor, in bytes); pages lie back to back, in order.
+        ends = torch.cat([self._meta_starts[:, 0, 0].index_select(0, ids).long(), cursor[:1]]).cpu().numpy()
+        ends[:-1] *= A
+        sizes = ends[1:] - ends[:-1]
+        offsets = self._arena.repack(layers, pids, sizes)
+        for layer, p in zip(layers.tolist(), pids.tolist()):
+            del self._full[layer][p]
+        self._move(rows, offsets, ends[:-1], sizes, scratch, self._arena.take_dirty())  # zero the slots they left
 
     def compact(self) -> int:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
         slots move to packed room, sparse slot chunks drain into others, packed chunks close their holes and the
         sparsest empty into the others' tails. Returns the bytes moved. Between steps; no device sync."""
-        return self._apply(self._arena.compaction)
+        return self._apply(self._arena.compaction, range(self.num_layers))
 
-    def _apply(self, plan) -> int:
-        """Carry out the arena's move batches ``plan(layer)`` for every layer; returns the bytes moved."""
+    def _apply(self, plan, layers) -> int:
+        """Carry out the arena's move batches ``plan(layer)`` for each of ``layers``; returns the bytes moved."""
         moved = 0
-        for layer in range(self.num_layers):
+        empty = np.empty(0, dtype=np.int64)
+        for layer in layers:
             for batch in plan(layer):
                 if not batch:
                     continue
                 pids, old, new, size = (np.array(x, dtype=np.int64) for x in zip(*batch))
-                self._copy(new, old, size, self.data)
-                self._shift_rows(np.full_like(pids, layer), pids, (new - old) // fmt.STREAM_ALIGN)
+                self._move(self._rows(layer, pids), new, old, size, self.data, empty)
                 moved += int(size.sum())
         self._zero_dirty()  # after all copies: a freed slot may have been a source
         return moved
 
-    def _copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, source: torch.Tensor) -> None:
-        """data[dst[i] : dst[i] + nbytes[i]] = source[src[i] : ...] for all i at once, in 256-byte units (every offset
-        and size is a multiple). All sources are read before any destination is written."""
-        units = nbytes // fmt.STREAM_ALIGN
-        total = int(units.sum())
-        if total == 0:
-            return
-        within = np.arange(total) - np.repeat(np.cumsum(units) - units, units)
-        dst_idx = self._tensor(np.repeat(dst // fmt.STREAM_ALIGN, units) + within)
-        src_idx = self._tensor(np.repeat(src // fmt.STREAM_ALIGN, units) + within)
-        self.data.view(-1, fmt.STREAM_ALIGN)[dst_idx] = source.view(-1, fmt.STREAM_ALIGN)[src_idx]
+    # ---- device writes: host arrays decided here, sent with one upload per call -------------------------------
+    def _rows(self, layers, pids: np.ndarray) -> np.ndarray:
+        """Rows of pages (layer, page id) in the all-layer meta table (numpy broadcasting). int64: indexing converts
+        int32 indices first, on CUDA with one more kernel."""
+        return self._first_rows[layers] + pids
+
+    def _move(self, rows: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, source: torch.Tensor,
+              zero: np.ndarray) -> None:
+        """Copy the pages of meta rows ``rows`` (int64) from bytes ``src`` of ``source`` to bytes ``dst`` of data (``nbytes``
+        each, all sources read before any destination is written; every offset and size is a multiple of
+        STREAM_ALIGN), add the distance moved to word 0 of their meta rows, then zero slots ``zero``."""
+        A = fmt.STREAM_ALIGN
+        dst, src = (dst // A).astype(np.int32), (src // A).astype(np.int32)  # units; data holds < 2**31 of them
+        dst_t, src_t, rows_t, shift_t, zero_t = self._upload(
+            *_ranges((nbytes // A).astype(np.int32), dst, src), rows, dst - src, zero)
+        self._units.index_put_((dst_t,), source.view(torch.int64).view(-1, A // 8).index_select(0, src_t))
+        # Gather, add, scatter: index_put_(accumulate=True) would copy this strided view of all rows whole on CUDA.
+        self._meta_starts[rows_t] += shift_t[:, None, None]
+        self._zero_pages(zero_t)
+
+    def _zero_pages(self, slots: torch.Tensor) -> None:
+        """Zero raw-page-sized slots of data (slot s: bytes [s * page_bytes, (s + 1) * page_bytes))."""
+        if slots.numel():
+            self._raw_pages[slots] = 0
 
     def _zero_dirty(self) -> None:
-        ranges = self._arena.take_dirty()
-        if ranges:
-            R = self.page_bytes
-            idx = np.concatenate([np.arange(off // R, (off + n) // R) for off, n in ranges])
-            self.data.view(-1, R)[self._tensor(idx)] = 0
+        slots = self._arena.take_dirty()
+        if len(slots):
+            self._zero_pages(*self._upload(slots))
 
-    def _shift_rows(self, layers: np.ndarray, pids: np.ndarray, units: np.ndarray) -> None:
-        """Add ``units`` to word 0 of every meta row of (layer, page): the page's streams moved that far."""
-        layers_t, pids_t = self._tensor(layers.astype(np.int64)), self._tensor(pids.astype(np.int64))
-        shift = self._tensor(units.astype(np.int32))[:, None, None]
-        self._meta[layers_t, pids_t, :, :, 0] += shift
+    def _write_pages(self, rows: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                     zero: torch.Tensor | None = None) -> None:
+        """Carry out what :meth:`_open_pages` returned, once on the device (nothing if it returned nothing)."""
+        if rows is not None:
+            self._zero_pages(zero)
+            self._meta_rows[rows] = values
 
     # ---- accounting ------------------------------------------------------------------------------------------
     def capacity(self, prompt_len: int = 0, max_new_tokens: int = 0, *, reserve: int = 0) -> Capacity:
@@ -509,7 +593,7 @@ class CompressedPagedKVCache:
                 "tokens": int(tokens[layer]), "pages": pages, "raw_bytes": pages * self.page_bytes,
                 "stored_bytes": stored, "waiting_full_pages": len(self._full[layer]),
                 "slot_chunks": len(a.slot_chunks[layer]), "packed_chunks": len(a.packed_chunks[layer]),
-                "free_slots": a.free_slot_count[layer], "promised_pages": a.reserved[layer]})
+                "free_slots": int(a.free_slot_count[layer]), "promised_pages": int(a.reserved[layer])})
         raw = sum(x["raw_bytes"] for x in layers)
         stored = sum(x["stored_bytes"] for x in layers)
         owned = (a.num_chunks - len(a.pool)) * self.chunk_bytes
@@ -521,8 +605,8 @@ class CompressedPagedKVCache:
 
     def _describe_free(self) -> str:
         a = self._arena
-        return (f"{len(a.pool)} of {a.num_chunks} chunks free, {sum(a.free_slot_count)} free slots, "
-                f"{sum(a.reserved)} pages promised to {len(self._seqs)} running sequences")
+        return (f"{len(a.pool)} of {a.num_chunks} chunks free, {a.free_slot_count.sum()} free slots, "
+                f"{a.reserved.sum()} pages promised to {len(self._seqs)} running sequences")
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _plan(self, batch: _Batch, start: np.ndarray, single: bool, n: int) -> _Plan:
@@ -531,44 +615,50 @@ class CompressedPagedKVCache:
         key = (batch.key, single, n, start.tobytes())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._build_plan(start, np.array([n]) if single else np.ones(n, dtype=np.int64))
+            plan = self._build_plan(start, np.array([n]) if single else None)
             _remember(self._plans, key, plan)
         return plan
 
-    def _build_plan(self, start: np.ndarray, counts: np.ndarray) -> _Plan:
+    def _build_plan(self, start: np.ndarray, counts: np.ndarray | None) -> _Plan:
+        """Appending ``counts`` tokens to sequences at lengths ``start``; None: one each (a decode step)."""
         P = self.page_size
-        end = start + counts
-        if (counts == 1).all():  # a decode step: a token opens a page at slot 0 and fills it at slot P - 1
-            opens, fills = np.nonzero(start % P == 0)[0], np.nonzero(end % P == 0)[0]
-            new = list(zip(opens.tolist(), (start[opens] // P).tolist()))
-            filled = list(zip(fills.tolist(), (start[fills] // P).tolist()))
+        if counts is None:  # a token opens a page at slot 0 and fills it at slot P - 1
+            end = start + 1
+            slot, page = start % P, start // P
+            opens, fills = (slot == 0).nonzero()[0], (slot == P - 1).nonzero()[0]
+            new = list(zip(opens.tolist(), page[opens].tolist()))
+            filled = list(zip(fills.tolist(), page[fills].tolist()))
         else:
+            end = start + counts
             new, filled = [], []
             for i, (a, b) in enumerate(zip(start.tolist(), end.tolist())):
                 new += [(i, j) for j in range(-(-a // P), -(-b // P))]
                 filled += [(i, j) for j in range(a // P, b // P)]
-        seq_index = np.repeat(np.arange(len(counts)), counts)
-        pos = np.repeat(start - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-        return _Plan(end=end, new=new, filled=filled, seq_index=seq_index, pos=pos)
+        return _Plan(start=start, counts=counts, end=end, new=new, filled=filled)
 
-    def _open_pages(self, layers: list[int], batch: _Batch, plan: _Plan) -> None:
-        """Give the plan's new pages ids (first layer to reach them) and raw slots in each of ``layers``, or raise
-        CacheFullError before changing anything. Every layer's new meta rows go to the device in one copy."""
+    def _open_pages(self, layers: slice, batch: _Batch, plan: _Plan) -> list[np.ndarray]:
+        """Give the plan's new pages ids (first layer to reach them) and raw slots in each of ``layers`` (all of them
+        for a decode step, one for an append), or raise
+        CacheFullError before changing anything. Returns the device writes that makes, for :meth:`_write_pages`
+        after an upload: the pages' meta rows (int64 [k]), their values (int32 [k, 2, H, W]) and the slots to zero
+        (of slot chunks just taken from the pool); nothing if no page opens."""
         if not plan.new:
-            return
+            return []
         new = [(batch.seqs[i], j) for i, j in plan.new]
         beyond = sum(j >= s.budget for s, j in new)  # pages outside their sequence's promise
         need_ids = [(s, j) for s, j in new if j >= s.num_ids]
         ids_beyond = sum(j >= s.budget for s, j in need_ids)
         if need_ids and ids_beyond > len(self._free_ids) - self._reserved_ids:
             free = max(0, len(self._free_ids) - self._reserved_ids)
-            raise CacheFullError(f"append to layer {layers[0]}: needs {ids_beyond} page ids beyond the sequences' "
+            raise CacheFullError(f"append to layer {range(self.num_layers)[layers][0]}: needs {ids_beyond} page ids "
+                                 f"beyond the sequences' "
                                  f"budgets, {free} are free ({len(self._free_ids)} of "
                                  f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
                                  requested=ids_beyond, free=free, unit="page ids")
         if not self._arena.fits(layers, beyond):
             # Name a layer that cannot take them alone; if each can, they only fail together: name the first.
-            layer = next((x for x in layers if not self._arena.fits([x], beyond)), layers[0])
+            ids = range(self.num_layers)[layers]
+            layer = next((x for x in ids if not self._arena.fits(slice(x, x + 1), beyond)), ids[0])
             free = self._arena.spare_pages(layer)
             raise CacheFullError(f"append to layer {layer}: needs {len(new)} new raw pages, {beyond} of them beyond "
                                  f"the sequences' budgets, but only {free} can be taken without breaking promises "
@@ -577,29 +667,47 @@ class CompressedPagedKVCache:
             s.push(self._free_ids.pop())
             if j < s.budget:
                 self._reserved_ids -= 1
-        pids = [int(s.pages[j]) for s, j in new]
-        for layer in layers:
-            self._arena.reserved[layer] -= len(new) - beyond
-        offsets = self._arena.place_raw(layers, pids)
-        self._zero_dirty()  # slot chunks just taken from the pool
-        # One host-to-device copy: layers, page ids, then their meta rows (the template's word 0 of stream
-        # (K|V, head) plus the page's offset; descriptors all raw).
-        k = len(pids) * len(layers)
-        units = np.array(offsets, dtype=np.int64) // fmt.STREAM_ALIGN
-        rows = np.concatenate([np.repeat(np.array(layers, dtype=np.int64), len(pids)), np.tile(pids, len(layers)),
-                               (self._raw_rows.reshape(1, -1) + np.outer(units, self._word0)).ravel()])
-        t = self._tensor(rows.astype(np.int32))
-        self._meta[t[:k].long(), t[k: 2 * k].long()] = t[2 * k:].view(k, *self._raw_rows.shape)
+        pids = np.array([s.pages[j] for s, j in new], dtype=np.int32)
+        self._arena.reserved[layers] -= len(new) - beyond
+        slots = self._arena.place_raw(layers, pids)  # [layers, pages]
+        # Meta rows: the template's word 0 of stream (K|V, head) plus the page's offset; descriptors all raw.
+        values = (slots.reshape(-1, 1) * self._slot_word0 + self._raw_rows.reshape(1, -1))
+        rows = self._rows(self._all_layers[layers, None], pids).ravel()
+        return [rows, values.reshape(-1, *self._raw_rows.shape), self._arena.take_dirty()]
 
-    def _plan_tensors(self, batch: _Batch, plan: _Plan) -> None:
-        """The plan's page ids and slots on the device, once every page of the plan has an id."""
-        if plan.page_ids is None:
-            ids = np.fromiter((batch.seqs[i].pages[p] for i, p in zip(plan.seq_index.tolist(),
-                                                                       (plan.pos // self.page_size).tolist())),
-                              dtype=np.int32, count=len(plan.pos))
-            plan.page_ids = self._tensor(ids)
-            plan.slots = self._tensor((plan.pos % self.page_size).astype(np.int32))
-            plan.filled_ids = [int(batch.seqs[i].pages[p]) for i, p in plan.filled]
+    def _token_slots(self, batch: _Batch, plan: _Plan) -> list[np.ndarray]:
+        """Each token's page id and slot (int32 [n]), once every page of the plan has an id."""
+        counts = np.ones_like(plan.start) if plan.counts is None else plan.counts
+        seq_index = np.repeat(np.arange(len(counts)), counts)
+        pos, = _ranges(counts, plan.start)
+        page = (pos // self.page_size).tolist()
+        ids = np.fromiter((batch.seqs[i].pages[p] for i, p in zip(seq_index.tolist(), page)), dtype=np.int32,
+                          count=len(pos))
+        return [ids, (pos % self.page_size).astype(np.int32)]
+
+    def _filled_ids(self, batch: _Batch, plan: _Plan) -> list[int]:
+        return [int(batch.seqs[i].pages[p]) for i, p in plan.filled]
+
+    def _table(self, batch: _Batch, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """kv_indptr and kv_indices (int32) of ``batch`` with ``pages`` pages per sequence. A running sequence's pages
+        only grow, so the table last built for the batch, unless it is ahead, gets the new pages inserted (a decode
+        step adds a few) instead of being built anew."""
+        indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+        pages.cumsum(out=indptr[1:])
+        if batch.table is not None and (pages >= batch.table[0]).all():
+            old, old_indptr, indices = batch.table
+            grown = (pages != old).nonzero()[0].tolist()
+            if grown:  # cut the old table after each grown sequence's pages and put its new pages there
+                cuts = old_indptr[np.add(grown, 1)].tolist()
+                parts = [indices[: cuts[0]]]
+                for i, cut, end in zip(grown, cuts, cuts[1:] + [len(indices)]):
+                    parts += [batch.seqs[i].pages[old[i]: pages[i]], indices[cut:end]]
+                indices = np.concatenate(parts)
+        else:
+            indices = np.concatenate([s.pages[:p] for s, p in zip(batch.seqs, pages.tolist())] +
+                                     [np.empty(0, dtype=np.int32)])
+        batch.table = (pages, indptr, indices)
+        return indptr, indices
 
     def _batch(self, seq_ids) -> _Batch:
         if isinstance(seq_ids, torch.Tensor):
@@ -641,8 +749,3 @@ class CompressedPagedKVCache:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         return k.shape[0]
-
-    def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        """A host array on the cache's device, without waiting for the device (pinned staging on CUDA)."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
