@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sysconfig
 
 from setuptools import setup
 
@@ -38,13 +37,6 @@ if "CUDA_HOME" not in os.environ and os.environ.get("ZIPKV_WITH_CUDA") != "0":
     if home:
         os.environ["CUDA_HOME"] = home
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
-
-# Some Pythons (standalone builds) link extensions with a static libstdc++ (see extra_link_args below): drop that.
-_vars = sysconfig.get_config_vars()
-for _key in ("LDSHARED", "LDCXXSHARED", "LDFLAGS", "CFLAGS", "CXXFLAGS"):
-    if isinstance(_vars.get(_key), str) and "-static-libstdc++" in _vars[_key]:
-        print(f"setup.py: dropping -static-libstdc++ from {_key}")
-        _vars[_key] = _vars[_key].replace("-static-libstdc++", "")
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
@@ -76,9 +68,7 @@ setup(
             "torch_zipkv._C",
             sources,
             extra_compile_args=extra_compile_args,
-            # libstdc++ must be the process's shared one (torch's): a private static copy has its own locale
-            # facets, and formatting a number into an error message with it crashes.
-            extra_link_args=["-fopenmp", "-lstdc++"],
+            extra_link_args=["-fopenmp"],
             py_limited_api=True,
         )
     ],

@@ -363,6 +363,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             break
         cache.begin_step()
         logits = step(token, position, torch.tensor([length + t], device=input_ids.device))
+        if compile:  # a CUDA Graph's output buffer is rewritten by the next replay: keep this step's own copy
+            logits = logits.clone()
         position = position + 1
     out = torch.cat(tokens, 1)
     return (out, torch.stack(seen, 1)) if return_logits else out
