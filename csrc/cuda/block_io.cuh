@@ -22,21 +22,22 @@ __device__ __forceinline__ int64_t natural_block_base(int64_t stream, int b, int
   return (((i * 2 + is_v) * P + (b / spans) * kTileTokens) * H + head) * D + (b % spans) * kBlockDims;
 }
 
-// A lane's two 16-byte chunks of a block in natural layout (row stride in elements): issue these early, stage later.
-__device__ __forceinline__ void load_block_chunks(const uint16_t* base, int64_t row_stride, int lane, uint4 r[2]) {
+// Starts copying a block in natural layout (row stride in elements) into its staged form with 16-byte cp.async,
+// two per lane; cp_async_wait_all() completes them. No registers hold the data in between.
+__device__ __forceinline__ void cp_async_block_to_stage(const uint16_t* base, int64_t row_stride, uint32_t* stage,
+                                                        int lane) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int c = lane + kWarp * j, row = c / 4, part = c % 4;
-    r[j] = *reinterpret_cast<const uint4*>(base + row * row_stride + part * 8);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(
+                     __cvta_generic_to_shared(stage + row * kRowWords + part * 4))),
+                 "l"(base + row * row_stride + part * 8)
+                 : "memory");
   }
 }
 
-__device__ __forceinline__ void stage_block_chunks(const uint4 r[2], uint32_t* stage, int lane) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int c = lane + kWarp * j, row = c / 4, part = c % 4;
-    *reinterpret_cast<uint4*>(stage + row * kRowWords + part * 4) = r[j];
-  }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
 // Stores a staged block back to natural layout with 16-byte stores.

@@ -58,15 +58,6 @@ __device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggr
   return exclusive;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
-
 // One CTA: whole streams, up to kWarps x kMaxBlocksPerWarp blocks. The input goes straight to shared memory with
 // cp.async (all of the CTA's loads in flight at once, no registers held), each warp staging its blocks; the values
 // are read from there twice (exponent range, then encode), which costs shared-memory bandwidth, not HBM.
@@ -103,12 +94,8 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
     const int x = warp + kWarps * k;
     if (x >= cta_blocks) break;
-    const uint16_t* src = kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c = lane + kWarp * j, row = c / 4, part = c % 4;
-      cp_async16(stage_of(k) + row * kRowWords + part * 4, src + static_cast<int64_t>(row) * H * D + part * 8);
-    }
+    cp_async_block_to_stage(kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D),
+                            static_cast<int64_t>(H) * D, stage_of(k), lane);
   }
   cp_async_wait_all();
   __syncwarp();
@@ -242,17 +229,21 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor scratch = at::zeros({allow_compress ? 1 + num_ctas : 1}, data.options().dtype(at::kLong));
-  auto launch = [&](auto kernel, int max_blocks_per_warp) {
+  auto launch = [&](auto kernel, int max_blocks_per_warp, bool& smem_set) {
     const int smem = kWarps * max_blocks_per_warp * kStageWords * 4;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (!smem_set) {  // once per kernel and process (the two kernels have distinct flags below)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      smem_set = true;
+    }
     kernel<<<static_cast<unsigned int>(num_ctas), kThreads, smem, stream>>>(
         reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), page_ids.data_ptr<int32_t>(), allow_compress,
         data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0), cursor.data_ptr<int64_t>(),
         reinterpret_cast<Scratch*>(scratch.data_ptr<int64_t>()), num_streams, P, H, D, meta.size(3), streams_per_cta,
         static_cast<unsigned int>(num_ctas));
   };
-  if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>, 4);
-  else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>, 8);
+  static bool smem_set4 = false, smem_set8 = false;
+  if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>, 4, smem_set4);
+  else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>, 8, smem_set8);
   else TORCH_CHECK(false, "zipkv.compress_pages: page_size x head_dim too large (", blocks_per_warp, " blocks per warp)");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
