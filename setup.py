@@ -61,6 +61,22 @@ if with_cuda:
     )
 Extension = CUDAExtension if with_cuda else CppExtension
 
+
+def shared_cxx_runtime():
+    """Link arguments that bind the extension to the libstdc++.so this process (and so torch) runs with.
+
+    A g++ built with --with-static-standard-libraries (the GPU box's /opt/gcc) links libstdc++.a into every shared
+    object by default. The extension then carries a second, private C++ runtime whose locale was never set up, and
+    the first error message that formats an integer (c10::str -> std::ostream << long) segfaults. Naming the loaded
+    shared libstdc++ explicitly, before the driver's implicit static one, resolves every std:: symbol from it.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:  # not Linux
+        return []
+    return sorted(paths)[:1]
+
 setup(
     name="torch_zipkv",
     ext_modules=[
@@ -68,7 +84,7 @@ setup(
             "torch_zipkv._C",
             sources,
             extra_compile_args=extra_compile_args,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp", *shared_cxx_runtime()],
             py_limited_api=True,
         )
     ],

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "format.h"
 
 namespace zipkv {
@@ -95,8 +97,12 @@ inline void check_append_args(const at::Tensor& k, const at::Tensor& v, const at
 inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                               const at::Tensor& kv_last_page_len, int64_t page_size, const at::Tensor& out,
-                              const std::optional<at::Tensor>& lse) {
+                              const std::optional<at::Tensor>& lse, int64_t window_left, double logits_soft_cap) {
   const char* op = "paged_decode";
+  TORCH_CHECK(window_left >= -1 && window_left < (int64_t{1} << 31), "zipkv.paged_decode: window_left must be -1 (no ",
+              "window) or a token count >= 0, got ", window_left);
+  TORCH_CHECK(logits_soft_cap >= 0.0 && std::isfinite(logits_soft_cap), "zipkv.paged_decode: logits_soft_cap must be ",
+              "0 (off) or a finite cap > 0, got ", logits_soft_cap);
   const at::Device device = data.device();
   check_tensor(q, op, "q", at::kBFloat16, 3, device);
   check_geometry(op, page_size, q.size(2));

@@ -50,8 +50,12 @@ TORCH_LIBRARY(zipkv, m) {
   //   sm_scale          softmax scale
   //   out               bf16  [batch, num_qo_heads, head_dim]
   //   lse               fp32  [batch, num_qo_heads]  optional natural-log sum of exp(scaled logits)
-  // A request with no pages gets out = 0 and lse = -inf.
+  //   window_left       >= 0: attend only to each request's last window_left + 1 tokens (a sliding window;
+  //                     pages wholly before it are never read); -1: to every token
+  //   logits_soft_cap   > 0: logits become cap * tanh(logits / cap) (Gemma 2); 0: off
+  // "Logits" are q.k * sm_scale. A request with no tokens to attend gets out = 0 and lse = -inf.
   m.def(
       "paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, "
-      "Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None) -> ()");
+      "Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, "
+      "int window_left=-1, float logits_soft_cap=0.0) -> ()");
 }

@@ -33,12 +33,13 @@ def tokens(seed: int, n: int, heads: int, head_dim: int, kind: int = 0) -> tuple
 
 
 def check_contents(cache, kept: dict) -> None:
-    """gather returns, bit for bit, what was appended: kept[(seq, layer)] = (k, v) of all tokens so far."""
+    """gather returns, bit for bit, what was appended: kept[(seq, layer)] = (k, v) of all tokens so far (of a
+    sliding-window layer: those from kept_from on)."""
     for (sid, layer), (k, v) in kept.items():
         gk, gv = cache.gather(layer, sid)
         assert gk.shape == k.shape and torch.equal(bits(gk), bits(k)), f"K of seq {sid}, layer {layer}"
         assert torch.equal(bits(gv), bits(v)), f"V of seq {sid}, layer {layer}"
-        assert cache.seq_len(sid, layer) == k.shape[0]
+        assert cache.seq_len(sid, layer) == cache.kept_from(sid, layer) + k.shape[0]
 
 
 def live_streams(cache, kept: dict) -> list[tuple[int, int, int, int]]:
@@ -47,8 +48,8 @@ def live_streams(cache, kept: dict) -> list[tuple[int, int, int, int]]:
     out = []
     for (sid, layer), (k, _) in kept.items():
         _, indices, _ = cache.page_table(layer, [sid])
-        assert len(indices) == -(-k.shape[0] // cache.page_size)
-        for p in indices.tolist():
+        assert len(indices) == -(-cache.seq_len(sid, layer) // cache.page_size)
+        for p in indices[cache.kept_from(sid, layer) // cache.page_size:].tolist():  # a sliding window's live pages
             rows = meta[layer, p]  # [2, H, W]
             desc = rows[..., 1:].contiguous().view(torch.uint8)[..., : fmt.blocks_per_stream(cache.page_size,
                                                                                               cache.head_dim)]

@@ -20,12 +20,12 @@ H, D, P = 2, 64, 16
 PAGE_BYTES = 2 * P * H * D * 2
 
 
-def make(layers=2, chunks=16, chunk_pages=4, max_pages=256, device="cpu"):
+def make(layers=2, chunks=16, chunk_pages=4, max_pages=256, device="cpu", **kw):
     """A cache of exactly ``chunks`` chunks of ``chunk_pages`` raw pages each."""
     id_bytes = layers * 2 * H * fmt.meta_words(P, D) * 4
     cache = CompressedPagedKVCache(layers, H, D, page_size=P, device=device, chunk_bytes=chunk_pages * PAGE_BYTES,
                                    max_bytes=chunks * chunk_pages * PAGE_BYTES + max_pages * id_bytes,
-                                   max_pages=max_pages)
+                                   max_pages=max_pages, **kw)
     assert cache._arena.num_chunks == chunks
     return cache
 
@@ -71,6 +71,61 @@ def test_prefill_and_decode_steps_match_float64_reference(gen):
     st = cache.stats()
     assert 0.74 < st["ratio"] < 0.9  # Gaussian data: nearly every block compresses, open pages stay raw
     check_all(cache, kept)
+
+
+def test_sliding_window_layer_attends_to_and_keeps_only_its_window(gen):
+    """Layer 1 slides over 20 tokens, layer 0 attends to all: every step's decode of layer 1 matches float64
+    attention over the last 20 tokens; between steps its pages wholly before the window are freed (fewer pages than
+    layer 0, bytes back to the arena, their meta rows cleared), gather returns the kept tail bit for bit, the
+    accounting adds up, and freeing the sequences returns every chunk."""
+    W = 20
+    cache = make(layers=2, chunks=32, sliding_window=[None, W])
+    lens = [5, 37, 70]
+    sids = [cache.add_sequence(n, 30) for n in lens]
+    kept = {}
+    for layer in range(2):
+        for i, (sid, n) in enumerate(zip(sids, lens)):
+            fill(cache, kept, layer, sid, n, seed=10 * layer + i)
+    for step in range(30):
+        for layer in range(2):
+            k, v = tokens(500 + 10 * step + layer, len(sids), H, D)
+            cache.append(layer, sids, k, v)
+            for b, sid in enumerate(sids):
+                old = kept[(sid, layer)]
+                kept[(sid, layer)] = (torch.cat([old[0], k[b: b + 1]]), torch.cat([old[1], v[b: b + 1]]))
+            q = torch.randn(len(sids), 2 * H, D, generator=gen).bfloat16()
+            out = cache.decode(layer, q, sids)
+            seen = [kept[(s, layer)] for s in sids]
+            if layer == 1:
+                seen = [(k[-W:], v[-W:]) for k, v in seen]
+            assert rel_err(out, decode_reference(q, seen, P)) < 1e-2, f"step {step}, layer {layer}"
+        if step % 4 == 3:
+            cache.compress_full_pages()
+            for sid in sids:  # layer 1 keeps the tail from its first live page on
+                k, v = kept[(sid, 1)]
+                first = cache.kept_from(sid, 1) - (cache.seq_len(sid, 1) - k.shape[0])
+                kept[(sid, 1)] = (k[first:], v[first:])
+    for sid, n in zip(sids, lens):
+        assert cache.kept_from(sid, 0) == 0
+        assert cache.kept_from(sid, 1) == max(0, n + 28 - W) // P * P  # freed at the last compression (step 27)
+    st = cache.stats()
+    full, slid = st["layers"][0], st["layers"][1]
+    assert slid["pages"] == sum(-(-(n + 30) // P) - max(0, n + 28 - W) // P for n in lens) < full["pages"]
+    assert slid["stored_bytes"] < full["stored_bytes"] and slid["tokens"] < full["tokens"]
+    check_all(cache, kept)
+    for sid in sids:
+        dropped = cache.page_table(1, [sid])[1][: cache.kept_from(sid, 1) // P].long()
+        assert (cache.meta(1)[dropped] == fmt.NO_STREAM).all() and (cache.meta(0)[dropped][..., 0] >= 0).all()
+        cache.free_sequence(sid)
+    assert cache.stats()["free_chunks"] == 32
+
+
+def test_sliding_window_argument_is_checked():
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        make(layers=2, sliding_window=[None])
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        make(layers=2, sliding_window=0)
+    assert make(layers=3, sliding_window=8).sliding_window == [8, 8, 8]
 
 
 def test_page_table_drives_paged_decode_and_sm_scale(gen):

@@ -25,7 +25,7 @@ class TestSchemas(TestCase):
 zipkv::compress_pages(Tensor kv, Tensor page_ids, bool allow_compress, Tensor(a!) data, Tensor(b!) meta, Tensor(c!) cursor) -> ()
 zipkv::decompress_pages(Tensor data, Tensor meta, Tensor page_ids, Tensor(a!) out) -> ()
 zipkv::append_kv(Tensor k, Tensor v, Tensor page_ids, Tensor slots, int page_size, Tensor(a!) data, Tensor meta) -> ()
-zipkv::paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None) -> ()""")
+zipkv::paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, int window_left=-1, float logits_soft_cap=0.) -> ()""")
 
 
 def test_cuda_kernels_registered():

@@ -15,14 +15,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def run_case(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None):
+def run_case(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None, **kw):
     n, _, P, H, D = kv.shape
     ckv = store(kv, raw_pages)
     indptr, indices, last = page_table(seq_lens, P, n, gen)
     q = torch.randn(len(seq_lens), num_qo_heads, D, generator=gen).to(torch.bfloat16)
     lse = torch.empty(len(seq_lens), num_qo_heads)
-    out = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, lse=lse)
-    ref, ref_lse = reference.decode_attention(q, kv, indptr, indices, last, scale or 1 / math.sqrt(D))
+    out = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, lse=lse, **kw)
+    ref, ref_lse = reference.decode_attention(q, kv, indptr, indices, last, scale or 1 / math.sqrt(D), **kw)
     return out, lse, ref, ref_lse
 
 
@@ -53,6 +53,43 @@ def test_scale_and_peaked_softmax(gen):
     out, lse, ref, ref_lse = run_case(kv, None, [40, 77], 2, gen, scale=2.0)
     assert rel_err(out, ref) < 1e-2
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("window_left", [0, 5, 15, 16, 40, 1000])
+def test_sliding_window(gen, window_left):
+    """window_left = w attends to the last w + 1 tokens: windows inside one page, on page boundaries, spanning pages
+    and longer than the sequence, on mixed pages."""
+    kv = random_kv(24, 16, 2, 64, gen)
+    out, lse, ref, ref_lse = run_case(kv, torch.rand(24, generator=gen) < 0.4, [1, 16, 17, 45, 100], 4, gen,
+                                      window_left=window_left)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_never_reads_pages_before_it(gen):
+    """Pages wholly before the window may be freed: their meta rows say "no stream", and decode must not care."""
+    kv = random_kv(8, 16, 1, 64, gen)
+    ckv = store(kv, None)
+    indptr, indices, last = page_table([100], 16, 8, gen)  # 7 pages, 4 tokens in the last
+    q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
+    freed = ckv.meta.clone()
+    freed[indices[:5].long()] = -1  # tokens 0..79 gone; a window of 20 starts at token 80
+    got = torch_zipkv.ops.paged_decode(q, ckv.data, freed, indptr, indices, last, 16, window_left=19)
+    ref, _ = reference.decode_attention(q, kv, indptr, indices, last, 1 / 8, window_left=19)
+    assert rel_err(got, ref) < 1e-2
+    with pytest.raises(RuntimeError, match="holds no stream"):  # a window reaching into a freed page is caught
+        torch_zipkv.ops.paged_decode(q, ckv.data, freed, indptr, indices, last, 16, window_left=20)
+
+
+@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
+def test_logits_soft_cap(gen, cap):
+    """cap * tanh(logit / cap) on logits large enough that the cap matters (a small cap flattens the softmax)."""
+    kv = random_kv(12, 16, 2, 128, gen, scale=3.0)
+    out, lse, ref, ref_lse = run_case(kv, None, [7, 33, 60], 8, gen, scale=0.5, logits_soft_cap=cap, window_left=30)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
+    # Capped logits are at most cap: lse <= log(tokens) + cap (the last two requests see 31 tokens of the window).
+    assert (lse.double() <= torch.tensor([7.0, 31.0, 31.0]).log()[:, None] + cap + 1e-4).all()
 
 
 def test_request_without_pages_gives_zeros(gen):

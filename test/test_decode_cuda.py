@@ -27,8 +27,9 @@ def with_zeros(kv, gen, rate=3e-3):
     return kv
 
 
-def decode_both(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None):
-    """CUDA and CPU paged_decode of the same storage; returns (gpu out, gpu lse, cpu out, cpu lse, ref, ref lse)."""
+def decode_both(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None, **kw):
+    """CUDA and CPU paged_decode of the same storage; returns (gpu out, gpu lse, cpu out, cpu lse, ref, ref lse).
+    ``kw``: window_left, logits_soft_cap for all three."""
     n, _, P, H, D = kv.shape
     scale = scale or 1 / math.sqrt(D)
     ckv = store(kv, raw_pages)
@@ -37,10 +38,10 @@ def decode_both(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None):
     q = torch.randn(len(seq_lens), num_qo_heads, D, generator=gen).to(torch.bfloat16)
     lse_g = torch.empty(len(seq_lens), num_qo_heads, device="cuda")
     out_g = torch_zipkv.paged_decode(q.cuda(), gpu, indptr.cuda(), indices.cuda(), last.cuda(), sm_scale=scale,
-                                     lse=lse_g)
+                                     lse=lse_g, **kw)
     lse_c = torch.empty(len(seq_lens), num_qo_heads)
-    out_c = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, lse=lse_c)
-    ref, ref_lse = reference.decode_attention(q, kv, indptr, indices, last, scale)
+    out_c = torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, lse=lse_c, **kw)
+    ref, ref_lse = reference.decode_attention(q, kv, indptr, indices, last, scale, **kw)
     return out_g.cpu(), lse_g.cpu(), out_c, lse_c, ref, ref_lse
 
 
@@ -98,6 +99,47 @@ def test_split_and_unsplit_plans(gen, batch, heads, seq):
     kv = with_zeros(random_kv(n, P, heads, D, gen), gen)
     out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3, lens, heads * 4, gen)
     check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+@pytest.mark.parametrize("window_left", [0, 7, 15, 16, 100, 4000])
+@pytest.mark.parametrize("head_dim, page_size", [(128, 16), (64, 64)])
+def test_sliding_window(gen, window_left, head_dim, page_size):
+    """Windows inside a tile, on tile and page boundaries, across pages, and longer than some requests; short
+    requests (one CTA each) and long ones (split plans)."""
+    lens = [1, 17, 45, 300, 6000]
+    n = sum(-(-x // page_size) for x in lens)
+    kv = with_zeros(random_kv(n, page_size, 2, head_dim, gen), gen)
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3, lens, 8, gen,
+                                                       window_left=window_left)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+@pytest.mark.parametrize("cap", [0.5, 30.0])
+def test_logits_soft_cap(gen, cap):
+    kv = random_kv(40, 16, 2, 128, gen, scale=3.0)
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, None, [40, 77, 300], 8, gen, scale=0.5,
+                                                       logits_soft_cap=cap)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, None, [40, 77, 300], 8, gen, scale=0.5,
+                                                       logits_soft_cap=cap, window_left=50)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+def test_pages_before_the_window_are_never_read(gen):
+    """A sliding-window cache frees the pages before the window: their meta rows say "no stream" and their bytes may
+    be anything (NaN before the window inside the first kept tile too). Decode reads none of it."""
+    kv = random_kv(8, 16, 1, 64, gen)
+    kv[2, :, :5] = float("nan")  # tokens 32..36: before a window that starts at token 37
+    ckv = torch_zipkv.compress(kv.cuda())
+    meta = ckv.meta.clone()
+    indptr = torch.tensor([0, 7], dtype=torch.int32, device="cuda")
+    indices = torch.arange(7, dtype=torch.int32, device="cuda")
+    last = torch.tensor([4], dtype=torch.int32, device="cuda")  # 100 tokens; window of 63 starts at 37
+    meta[:2] = -1
+    q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
+    out = torch_zipkv.ops.paged_decode(q.cuda(), ckv.data, meta, indptr, indices, last, 16, window_left=62).cpu()
+    ref, _ = reference.decode_attention(q, kv, indptr.cpu(), indices.cpu(), last.cpu(), 1 / 8, window_left=62)
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-2
 
 
 def test_peaked_softmax_and_large_scale(gen):

@@ -148,6 +148,9 @@ def small_config(arch: str, **overrides):
         return transformers.MistralConfig(**{"sliding_window": None, **common})
     if arch == "gemma3":  # sliding-window and full layers, query_pre_attn_scalar scaling, q/k norm
         return transformers.Gemma3TextConfig(**{"sliding_window": 256, "query_pre_attn_scalar": 64, **common})
+    if arch == "gemma2":  # logit softcapping (a cap this small bites on random weights' small logits), sliding layers
+        return transformers.Gemma2Config(**{"sliding_window": 256, "query_pre_attn_scalar": 64,
+                                            "attn_logit_softcapping": 0.1, **common})
     raise ValueError(arch)
 
 
@@ -165,17 +168,28 @@ def padded_batch(gen, lengths, total_new):
     return ids, mask, torch.randint(0, 512, (len(lengths), total_new), generator=gen)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral", "gemma3"])
+def reference_and_tolerance(model, ids, mask, forced):
+    """transformers' default path (DynamicCache + SDPA) as the reference, and 1.5x its distance to transformers'
+    eager attention as the tolerance (at least 4e-3). A model without SDPA (Gemma 2: softcapping) is referenced by
+    its eager attention, and the tolerance is 1.5x how far that strays from the same model run in float32."""
+    eager = teacher_forced_logits(model, "eager", ids, mask, forced)
+    if model._supports_sdpa:
+        ref = teacher_forced_logits(model, "sdpa", ids, mask, forced)
+    else:
+        ref, eager = eager, teacher_forced_logits(model.float(), "eager", ids, mask, forced)
+        model.bfloat16()
+    return ref, max(1.5 * float((eager - ref).abs().max()), 4e-3)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral", "gemma3", "gemma2"])
 def test_random_model_logits_match_default(arch, gen):
     """Prefill of a left-padded batch (24 and 15 real tokens) and 20 decode steps across page boundaries: the "zipkv"
     logits stay as close to DynamicCache + SDPA as transformers' eager attention is (x1.5), and full pages compress."""
     model = small_model(arch)
     ids, mask, forced = padded_batch(gen, [24, 15], 20)
-    ref = teacher_forced_logits(model, "sdpa", ids, mask, forced)
-    eager = teacher_forced_logits(model, "eager", ids, mask, forced)
+    ref, tol = reference_and_tolerance(model, ids, mask, forced)
     cache = ZipKVCache.from_model(model, batch_size=2, max_length=48, max_new_tokens=24, page_size=PAGE)
     got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
-    tol = max(1.5 * float((eager - ref).abs().max()), 4e-3)
     err = float((got - ref).abs().max())
     assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
     stats = cache.stats()
@@ -186,12 +200,35 @@ def test_random_model_logits_match_default(arch, gen):
         assert k.shape == v.shape == (15 + 20, 2, 64)
 
 
-def test_sliding_window_past_window_raises(gen):
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
+def test_sliding_window_past_the_window(arch, gen):
+    """Sequences grow far past a 16-token window (prompts of 37 and 11 tokens, 30 steps): logits match the default
+    path, which attends to the window only, and the sliding layers keep only the pages the window touches."""
+    model = small_model(arch, sliding_window=16)
+    ids, mask, forced = padded_batch(gen, [37, 11], 30)
+    ref, tol = reference_and_tolerance(model, ids, mask, forced)
+    cache = ZipKVCache.from_model(model, batch_size=2, max_length=68, max_new_tokens=30, page_size=PAGE)
+    got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+    err = float((got - ref).abs().max())
+    assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
+    windows = cache.kv.sliding_window
+    assert windows.count(16) >= 1 and set(windows) <= {16, None}
+    cache.kv.compress_full_pages()
+    for layer, w in enumerate(windows):
+        pages = cache.stats()["layers"][layer]["pages"]
+        if w is None:
+            assert pages == -(-67 // PAGE) + -(-41 // PAGE)  # every page of 37 + 30 and 11 + 30 tokens
+        else:  # the pages holding the last 16 tokens (a window's tokens span at most 2 pages)
+            assert pages == sum(-(-n // PAGE) - (n - 16) // PAGE for n in (67, 41))
+            assert cache.kv.kept_from(cache.seq_ids[0], layer) == (67 - 16) // PAGE * PAGE
+
+
+def test_cache_with_another_window_than_the_model_raises(gen):
     model = small_model("gemma3", sliding_window=16)
-    ids, mask, forced = padded_batch(gen, [20], 4)
-    cache = ZipKVCache.from_model(model, max_length=32, page_size=PAGE)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+    ids, mask, forced = padded_batch(gen, [20], 2)
+    kv = torch_zipkv.CompressedPagedKVCache(2, 2, 64, max_bytes=1 << 24, device="cpu")  # no window: frees nothing
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        teacher_forced_logits(model, "zipkv", ids, mask, forced, ZipKVCache(kv))
 
 
 def test_wrong_attention_implementation_raises(gen):

@@ -10,6 +10,9 @@ How it is put together (DESIGN.md §3, memory manager):
   between decode steps (after the attention that read them), compresses them into packed chunks and frees the slots.
 - Sequences are charged their token budget at raw size when added (the arena's promises), so a sequence admitted by
   ``add_sequence`` / ``capacity()`` can always grow to its budget; compression only ever gives bytes back.
+- Sliding-window layers (``sliding_window``) keep only the window: ``compress_full_pages`` frees a layer's pages that
+  lie wholly before its window (their ids stay in the shared page table; ``paged_decode``'s ``window_left`` never
+  reads them). Their bytes return as headroom; promises stay charged at the full budget.
 - Host work is batched, not per layer: :meth:`~CompressedPagedKVCache.prepare_step` plans a decode step for every
   layer (token -> (page, slot), the page table, the pages it opens in every layer) and sends it all to the device in
   one copy; ``compress_full_pages`` compresses the full pages of every layer with one op pair on a view of all layers'
@@ -198,14 +201,24 @@ class CompressedPagedKVCache:
         chunk_bytes: arena chunk size, rounded down to whole raw pages (at least one).
         max_pages: page ids per layer (meta rows). Default: enough for the whole arena compressed.
         device: default CUDA if available, else CPU.
+        sliding_window: tokens a sliding-window layer attends to (the newest included, transformers' and
+            Mistral's ``sliding_window``): one int for every layer, or one entry per layer (None: full attention).
+            Decoding such a layer attends to its last ``sliding_window`` tokens, and the pages before them are
+            freed between steps; :meth:`gather` returns the tokens it still keeps.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,
                  max_bytes: int | None = None, memory_fraction: float | None = None, device=None,
-                 chunk_bytes: int = 4 * _MiB, max_pages: int | None = None):
+                 chunk_bytes: int = 4 * _MiB, max_pages: int | None = None, sliding_window=None):
         fmt.check_geometry(page_size, head_dim)
         if num_layers < 1 or num_kv_heads < 1:
             raise ValueError(f"num_layers and num_kv_heads must be >= 1, got {num_layers} and {num_kv_heads}")
+        windows = [sliding_window] * num_layers if sliding_window is None or isinstance(sliding_window, int) \
+            else list(sliding_window)
+        if len(windows) != num_layers or any(w is not None and (not isinstance(w, int) or w < 1) for w in windows):
+            raise ValueError(f"sliding_window must be None, an int >= 1, or one such entry per layer "
+                             f"({num_layers}), got {sliding_window!r}")
+        self.sliding_window: list[int | None] = windows
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -266,6 +279,10 @@ class CompressedPagedKVCache:
         self._seqs: dict[int, _Seq] = {}
         self._next_seq_id = 0
         self._len = np.zeros((16, num_layers), dtype=np.int64)  # tokens per (sequence row, layer)
+        self._dropped = np.zeros((16, num_layers), dtype=np.int64)  # leading pages freed (sliding windows)
+        self._window_left = [-1 if w is None else w - 1 for w in windows]  # paged_decode's argument, per layer
+        self._windowed = np.array([w is not None for w in windows]).nonzero()[0]
+        self._window_tokens = np.array([w or 0 for w in windows], dtype=np.int64)[self._windowed]
         self._free_rows = list(range(15, -1, -1))
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self._reserved_ids = 0  # page ids promised to running sequences
@@ -293,9 +310,11 @@ class CompressedPagedKVCache:
         if not self._free_rows:
             old = len(self._len)
             self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+            self._dropped = np.concatenate([self._dropped, np.zeros_like(self._dropped)])
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         seq = _Seq(self._free_rows.pop(), budget)
         self._len[seq.row] = 0
+        self._dropped[seq.row] = 0
         self._arena.reserved += budget
         self._reserved_ids += budget
         seq_id = self._next_seq_id
@@ -380,9 +399,11 @@ class CompressedPagedKVCache:
         return table
 
     def decode(self, layer: int, q: torch.Tensor, seq_ids, *, sm_scale: float | None = None,
-               out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+               logits_soft_cap: float = 0.0) -> torch.Tensor:
         """Decode attention of ``q`` (bf16 [B, num_qo_heads, head_dim], one query per sequence) over the tokens of
-        ``seq_ids`` in ``layer``; see :func:`torch_zipkv.ops.paged_decode`."""
+        ``seq_ids`` in ``layer`` (its last ``sliding_window`` tokens for a sliding-window layer); see
+        :func:`torch_zipkv.ops.paged_decode`."""
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != self.head_dim or \
@@ -395,7 +416,7 @@ class CompressedPagedKVCache:
         if q.shape[0] != len(indptr) - 1:
             raise ValueError(f"q has {q.shape[0]} rows for {len(indptr) - 1} sequences")
         return ops.paged_decode(q, self.data, self.meta(layer), indptr, indices, last, self.page_size, sm_scale,
-                                out, lse)
+                                out, lse, self._window_left[layer], logits_soft_cap)
 
     def prepare_step(self, seq_ids) -> "DecodeStep":
         """Plan one decode step of ``seq_ids`` (one new token each) for every layer at once: new pages open in all
@@ -435,22 +456,30 @@ class CompressedPagedKVCache:
         ops.append_kv(k, v, step.page_ids, step.slots, self.page_size, self.data, self.meta(layer))
 
     def step_decode(self, layer: int, step: "DecodeStep", q: torch.Tensor, *, sm_scale: float | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
         """Decode attention of one layer in a step planned by :meth:`prepare_step` (``q`` bf16 [B, Hq, D])."""
         return ops.paged_decode(q, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
-                                step.kv_last_page_len, self.page_size, sm_scale, out)
+                                step.kv_last_page_len, self.page_size, sm_scale, out, None,
+                                self._window_left[layer], logits_soft_cap)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens of ``seq_id`` in ``layer`` as bf16 ``k, v`` [tokens, num_kv_heads, head_dim], bit-identical
-        to what was appended (for debugging, offload and tests)."""
+        to what was appended (for debugging, offload and tests). A sliding-window layer returns the tokens it still
+        keeps: the last ones, from the first page not yet freed (:meth:`kept_from`)."""
         self._check_layer(layer)
         seq = self._seq(seq_id)
-        length = int(self._len[seq.row, layer])
-        n = -(-length // self.page_size)
-        ids, = self._upload(seq.pages[:n])
+        length, first = int(self._len[seq.row, layer]), int(self._dropped[seq.row, layer])
+        n = -(-length // self.page_size) - first
+        ids, = self._upload(seq.pages[first: first + n])
         pages = ops.decompress_pages(self.data, self.meta(layer), ids, self.page_size, self.head_dim)
-        k, v = (pages[:, i].reshape(n * self.page_size, self.num_kv_heads, self.head_dim)[:length] for i in (0, 1))
+        k, v = (pages[:, i].reshape(n * self.page_size, self.num_kv_heads, self.head_dim)[
+            : length - first * self.page_size] for i in (0, 1))
         return k, v
+
+    def kept_from(self, seq_id: int, layer: int) -> int:
+        """The first token of ``seq_id`` that ``layer`` still stores (0 unless its sliding window freed pages)."""
+        self._check_layer(layer)
+        return int(self._dropped[self._seq(seq_id).row, layer]) * self.page_size
 
     def meta(self, layer: int) -> torch.Tensor:
         """Meta rows of ``layer``: int32 [max_pages, 2, num_kv_heads, W], for ops on ``data``."""
@@ -463,7 +492,9 @@ class CompressedPagedKVCache:
         taken without breaking a promise, a page is compressed in place in its own slot (after one huge compression,
         e.g. all layers of a long prefill at once, the last layers may end up so; :meth:`compact` packs them). A
         round of up to 256 MiB of pages, of any layers, is one decompress and one compress call and one device sync.
+        Sliding-window layers first free their pages that lie wholly before the window (never compressed).
         """
+        self._free_out_of_window()
         counts = [len(full) for full in self._full]
         layers = self._all_layers.repeat(counts)
         pids = np.fromiter(itertools.chain.from_iterable(self._full), dtype=np.int64, count=len(layers))
@@ -476,6 +507,32 @@ class CompressedPagedKVCache:
         if spare:
             self._apply(lambda layer: self._arena.drain_slots(layer, slack=1), spare)
         return len(pids)
+
+    def _free_out_of_window(self) -> None:
+        """Free, in every sliding-window layer, each sequence's pages that end before its window: the decode of this
+        and every later step attends to the last ``window`` tokens only and skips them."""
+        if not len(self._windowed) or not self._seqs:
+            return
+        seqs = list(self._seqs.values())
+        rows = np.array([s.row for s in seqs])
+        keep = np.maximum(0, self._len[rows][:, self._windowed] - self._window_tokens) // self.page_size
+        dropped = self._dropped[rows][:, self._windowed]
+        todo = np.argwhere(keep > dropped)  # a pair turns up once every page_size steps
+        if not len(todo):
+            return
+        layers, pids = [], []
+        for i, w in todo.tolist():
+            layer, pages = int(self._windowed[w]), seqs[i].pages[dropped[i, w]: keep[i, w]]
+            self._arena.remove(layer, pages)
+            for p in pages.tolist():
+                self._full[layer].pop(p, None)
+            layers.append(np.full(len(pages), layer))
+            pids.append(pages)
+            self._dropped[rows[i], layer] = keep[i, w]
+        rows_t, zero = self._upload(self._rows(np.concatenate(layers), np.concatenate(pids)),
+                                    self._arena.take_dirty())
+        self._meta_rows[rows_t] = fmt.NO_STREAM  # a freed page fails loudly if anything reads it
+        self._zero_pages(zero)
 
     def _compress(self, layers: np.ndarray, pids: np.ndarray) -> None:
         """Compress pages (layers[i], pids[i]) of any layers, with one decompress and one compress call on the meta
@@ -579,12 +636,14 @@ class CompressedPagedKVCache:
 
     def stats(self) -> dict:
         """Bytes and chunks: ``raw_bytes`` (live pages as plain BF16), ``stored_bytes`` (as stored), ``ratio``,
-        ``meta_bytes``, ``tokens``, ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation`` (share
+        ``meta_bytes``, ``tokens`` (stored), ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation`` (share
         of the bytes in layer-owned chunks that hold no live page: free slots, packed tails, holes, room left by
         pages compressed in place) and ``layers``, one dict per layer."""
         a = self._arena
         rows = [s.row for s in self._seqs.values()]
-        tokens = self._len[rows].sum(0) if rows else np.zeros(self.num_layers, dtype=np.int64)
+        tokens = np.zeros(self.num_layers, dtype=np.int64)  # stored: a sliding window's freed pages are gone
+        if rows:
+            tokens = (self._len[rows] - self._dropped[rows] * self.page_size).sum(0)
         layers = []
         for layer in range(self.num_layers):
             live = a.offset[layer] >= 0

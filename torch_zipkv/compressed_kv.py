@@ -138,14 +138,19 @@ def paged_decode(
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of ``q`` (bf16 [batch, num_qo_heads, head_dim]) over pages of ``ckv``.
 
     FlashInfer's page table: request b reads pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (int32), whose
     last holds ``kv_last_page_len[b]`` tokens (in [1, page_size]). GQA: num_qo_heads is a multiple of num_kv_heads.
     ``sm_scale`` defaults to 1/sqrt(head_dim); ``lse`` (fp32 [batch, num_qo_heads]) optionally receives the
-    log-sum-exp. Returns bf16 [batch, num_qo_heads, head_dim] (``out`` if given).
+    log-sum-exp. Returns bf16 [batch, num_qo_heads, head_dim] (``out`` if given). ``window_left`` >= 0: a sliding
+    window, each request attends to its last ``window_left + 1`` tokens; ``logits_soft_cap`` > 0: logits
+    ``x = q.k * sm_scale`` become ``cap * tanh(x / cap)`` (see :func:`torch_zipkv.ops.paged_decode`).
     """
     return ops.paged_decode(
-        q, ckv.data, ckv.meta, kv_indptr, kv_indices, kv_last_page_len, ckv.page_size, sm_scale, out, lse
+        q, ckv.data, ckv.meta, kv_indptr, kv_indices, kv_last_page_len, ckv.page_size, sm_scale, out, lse,
+        window_left, logits_soft_cap
     )

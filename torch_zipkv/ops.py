@@ -72,18 +72,24 @@ def paged_decode(
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of ``q`` (bf16 [batch, Hq, D]) over each request's pages; returns bf16 [batch, Hq, D].
 
     The page table is FlashInfer's: request b reads pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (int32),
     all full but the last, which holds ``kv_last_page_len[b]`` tokens. ``sm_scale`` defaults to 1/sqrt(D).
-    ``lse`` (fp32 [batch, Hq]), if given, receives the natural-log sum of exp of the scaled logits.
+    ``lse`` (fp32 [batch, Hq]), if given, receives the natural-log sum of exp of the logits.
+    ``window_left`` >= 0 attends to each request's last ``window_left + 1`` tokens only (a sliding window of that
+    many tokens, FlashInfer's convention; pages wholly before it are never read, so they may be freed); -1 to all.
+    ``logits_soft_cap`` > 0 turns each logit ``x = q.k * sm_scale`` into ``cap * tanh(x / cap)`` (Gemma 2).
     """
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if out is None:
         out = torch.empty_like(q)
-    zipkv.paged_decode(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse)
+    zipkv.paged_decode(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
+                       window_left, logits_soft_cap)
     return out
 
 
@@ -146,7 +152,11 @@ def _append_kv_fake(k, v, page_ids, slots, page_size, data, meta):
 
 
 @torch.library.register_fake("zipkv::paged_decode")
-def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse=None):
+def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse=None,
+                       window_left=-1, logits_soft_cap=0.0):
+    _check(window_left >= -1, "zipkv.paged_decode: window_left must be -1 (no window) or a token count >= 0")
+    _check(logits_soft_cap >= 0 and math.isfinite(logits_soft_cap), "zipkv.paged_decode: logits_soft_cap must be "
+           "0 (off) or a finite cap > 0")
     _check(q.dtype == torch.bfloat16 and q.dim() == 3, "zipkv.paged_decode: q must be bf16 [batch, Hq, D]")
     fmt.check_geometry(page_size, q.shape[2])
     _check(meta.dim() == 4, "zipkv.paged_decode: meta must be a 4-D int32 tensor")

@@ -75,9 +75,14 @@ def decode_attention(
     kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor,
     sm_scale: float,
+    *,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 decode attention over natural pages kv (bf16 [pages, 2, P, H, D]); returns (out, lse) with
-    out float64 [batch, Hq, D] (zeros for a request with no pages) and lse float64 [batch, Hq] (-inf there)."""
+    out float64 [batch, Hq, D] (zeros for a request with no pages) and lse float64 [batch, Hq] (-inf there).
+    ``window_left`` >= 0 keeps each request's last window_left + 1 tokens; ``logits_soft_cap`` > 0 caps the
+    logits with cap * tanh(logit / cap)."""
     batch, hq, dim = q.shape
     heads = kv.shape[3]
     out = torch.zeros(batch, hq, dim, dtype=torch.float64)
@@ -88,9 +93,12 @@ def decode_attention(
             continue
         tokens = kv[pages].double().cpu().permute(1, 0, 2, 3, 4).reshape(2, -1, heads, dim)  # [2, L, H, D]
         length = (pages.numel() - 1) * kv.shape[2] + int(kv_last_page_len[b])
-        k = tokens[0, :length].repeat_interleave(hq // heads, dim=1)  # [L, Hq, D]
-        v = tokens[1, :length].repeat_interleave(hq // heads, dim=1)
+        first = max(0, length - window_left - 1) if window_left >= 0 else 0
+        k = tokens[0, first:length].repeat_interleave(hq // heads, dim=1)  # [L, Hq, D]
+        v = tokens[1, first:length].repeat_interleave(hq // heads, dim=1)
         logits = torch.einsum("hd,lhd->hl", q[b].double().cpu(), k) * sm_scale
+        if logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
         lse[b] = torch.logsumexp(logits, -1)
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), v)
     return out, lse

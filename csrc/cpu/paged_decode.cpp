@@ -40,8 +40,10 @@ void decode_stream(const at::Tensor& data, const at::Tensor& meta, int64_t page,
 
 void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
-                      int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse) {
-  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse);
+                      int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
+                      int64_t window_left, double logits_soft_cap) {
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse, window_left,
+                    logits_soft_cap);
   const int64_t batch = q.size(0), num_pages = meta.size(0), nnz = kv_indices.size(0);
   const int Hq = q.size(1), H = meta.size(2), D = q.size(2), P = page_size, group = Hq / H;
   const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
@@ -57,6 +59,7 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
                 b, "] = ", last[b], " must be in [1, page_size = ", P, "]");
   }
   for (int64_t i = 0; i < nnz; ++i) check_page_id("paged_decode", "kv_indices", i, indices[i], num_pages);
+  const float cap = static_cast<float>(logits_soft_cap), scale = static_cast<float>(sm_scale);
 
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
@@ -70,23 +73,28 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = indptr[b]; j < indptr[b + 1]; ++j) {
+      // A sliding window starts at token `first`; pages wholly before it are skipped, never decoded.
+      const int64_t tokens = indptr[b + 1] == indptr[b] ? 0 : int64_t{indptr[b + 1] - indptr[b] - 1} * P + last[b];
+      const int64_t first = window_left >= 0 ? std::max<int64_t>(0, tokens - window_left - 1) : 0;
+      for (int64_t j = indptr[b] + first / P; j < indptr[b + 1]; ++j) {
         const int len = j + 1 == indptr[b + 1] ? last[b] : P;
+        const int lo = j == indptr[b] + first / P ? static_cast<int>(first % P) : 0;
         decode_stream(data, meta, indices[j], 0, h, P, D, kf.data());
         decode_stream(data, meta, indices[j], 1, h, P, D, vf.data());
         for (int g = 0; g < group; ++g) {
           float mx = m[g];
-          for (int t = 0; t < len; ++t) {
+          for (int t = lo; t < len; ++t) {
             float dot = 0.f;
             for (int d = 0; d < D; ++d) dot += qf[g * D + d] * kf[t * D + d];
-            s[t] = dot * static_cast<float>(sm_scale);
+            s[t] = dot * scale;
+            if (cap > 0.f) s[t] = cap * std::tanh(s[t] / cap);
             mx = std::max(mx, s[t]);
           }
           // mx is finite here unless every score is -inf/NaN; exp(-inf - -inf) would be NaN, so guard it.
           const float scale = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
           l[g] *= scale;
           for (int d = 0; d < D; ++d) acc[g * D + d] *= scale;
-          for (int t = 0; t < len; ++t) {
+          for (int t = lo; t < len; ++t) {
             const float p = std::exp(s[t] - mx);
             l[g] += p;
             for (int d = 0; d < D; ++d) acc[g * D + d] += p * vf[t * D + d];

@@ -42,7 +42,7 @@ int occupancy(int head_dim, int group) {
 }
 
 int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
-                int device) {
+                int64_t window_left, int device) {
   // Time of n CTAs in CTA-times per SM (an SM is saturated from 2 resident CTAs on): if they all fit at once, the
   // busiest SM's share (a lone CTA runs at about half the rate); otherwise SMs share them evenly, plus the tail.
   const int64_t sms = num_sms(device), residency = std::max(1, occupancy(head_dim, group));
@@ -51,7 +51,8 @@ int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_siz
     return n <= slots ? static_cast<double>(std::max(saturated, (n + sms - 1) / sms))
                       : static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes;
   };
-  const double avg_tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
+  double avg_tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
+  if (window_left >= 0) avg_tiles = std::min(avg_tiles, static_cast<double>(window_left / kTileTokens + 2));
   auto cost = [&](int s) { return cta_times(ctas * s) * (avg_tiles / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0); };
   int max_splits = 1;
   while (max_splits < kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerSplit) ++max_splits;
@@ -65,8 +66,10 @@ int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_siz
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
                        const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
-                       int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse) {
-  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse);
+                       int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
+                       int64_t window_left, double logits_soft_cap) {
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse, window_left,
+                    logits_soft_cap);
   const int64_t batch = q.size(0);
   if (batch == 0 || q.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -91,8 +94,13 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
   p.group = Hq / H;
   p.page_size = static_cast<int>(page_size);
   p.words = meta.size(3);
+  p.window_left = static_cast<int>(window_left);
   p.scale_log2 = static_cast<float>(sm_scale) * decode::kLog2e;
-  p.num_splits = plan_splits(batch, H, p.nnz, p.page_size, D, p.group, q.get_device());
+  if (logits_soft_cap > 0.0) {
+    p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
+    p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
+  }
+  p.num_splits = plan_splits(batch, H, p.nnz, p.page_size, D, p.group, window_left, q.get_device());
 
   at::Tensor workspace;
   if (p.num_splits > 1) {

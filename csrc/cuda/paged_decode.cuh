@@ -50,7 +50,10 @@ struct Params {
   float* part_lse;           // [splits, batch, Hq]      (num_splits > 1), log2 domain
   int64_t data_bytes, num_pages, nnz;
   int batch, Hq, H, group, page_size, words, num_splits;
+  int window_left;   // >= 0: attend to each request's last window_left + 1 tokens only; -1: to all
   float scale_log2;  // sm_scale * log2(e): the softmax runs in base 2
+  // Soft cap (cap_log2 > 0): logit = cap * tanh(q.k * sm_scale / cap), in base 2: cap_log2 * tanh(q.k * scale_cap).
+  float cap_log2, scale_cap;  // cap * log2(e), sm_scale / cap
 };
 
 // Geometry and pipeline depth per head_dim and target residency (kCtas CTAs per SM). Each warp owns a byte ring in
@@ -308,9 +311,14 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   const bool bad_request =
       begin < 0 || npages < 0 || end > p.nnz || (npages > 0 && (last < 1 || last > p.page_size));
   const int64_t seq_len = bad_request || npages == 0 ? 0 : static_cast<int64_t>(npages - 1) * p.page_size + last;
-  const int n_tiles = static_cast<int>((seq_len + kTileTokens - 1) / kTileTokens);
+  // A sliding window starts at token `first`: the tiles before its tile are not part of the request's work at all
+  // (never loaded); inside its tile, tokens before it are masked like those past the end.
+  const int64_t first = p.window_left >= 0 ? max(int64_t{0}, seq_len - p.window_left - 1) : 0;
+  const int first_tile = static_cast<int>(first / kTileTokens);
+  const int n_tiles = static_cast<int>((seq_len + kTileTokens - 1) / kTileTokens) - first_tile;
   const int per_split = ((n_tiles + p.num_splits - 1) / p.num_splits + kWarps - 1) / kWarps * kWarps;
-  const int chunk_begin = min(split * per_split, n_tiles), chunk_end = min(chunk_begin + per_split, n_tiles);
+  const int chunk_begin = first_tile + min(split * per_split, n_tiles);
+  const int chunk_end = min(chunk_begin + per_split, first_tile + n_tiles);
   const int n_mine = max(0, (chunk_end - chunk_begin - warp + kWarps - 1) / kWarps);  // this warp's tiles
   const int tiles_per_page = p.page_size / kTileTokens;
   auto tile_of = [&](int i) { return chunk_begin + warp + i * kWarps; };
@@ -401,6 +409,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
+    const int lo = tile_of(i) == first_tile ? static_cast<int>(first % kTileTokens) : 0;  // first token kept
 
     // The lane's registers of a block: all-compressed tiles (the common case) take a straight line at fixed
     // offsets; others find each block after the ones before it (raw 1024 bytes, refused 0). V follows K.
@@ -454,7 +463,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
         for (int j = 0; j < 2; ++j) {
           const int tok = 8 * h + 2 * t + j;
           float& x = s[h][2 * r + j];
-          x = tok < valid ? x * p.scale_log2 : -INFINITY;
+          x = p.cap_log2 > 0.f ? p.cap_log2 * tanhf(x * p.scale_cap) : x * p.scale_log2;
+          x = tok >= lo && tok < valid ? x : -INFINITY;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
@@ -483,14 +493,15 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
 
     uint32_t vr[kB][8];
     rebuild_blocks(kB, vr);
-    if (valid < kTileTokens) {
-      // Tokens past the end of a partial tile may hold anything (even NaN bit patterns): zero their V values, as
-      // 0 * NaN would poison the product although their probability is 0. Lane registers hold tokens 2t, 2t + 1
-      // (even registers) and 2t + 8, 2t + 9 (odd registers).
+    if (valid < kTileTokens || lo > 0) {
+      // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
+      // their V values, as 0 * NaN would poison the product although their probability is 0. Lane registers hold
+      // tokens 2t, 2t + 1 (even registers) and 2t + 8, 2t + 9 (odd registers).
+      auto kept = [&](int tok) { return tok >= lo && tok < valid; };
       uint32_t vmask[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        vmask[j] = (2 * t + 8 * j < valid ? 0x0000FFFFu : 0u) | (2 * t + 8 * j + 1 < valid ? 0xFFFF0000u : 0u);
+        vmask[j] = (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
 #pragma unroll
       for (int c = 0; c < kB; ++c)
 #pragma unroll

@@ -30,9 +30,13 @@ plan, host work), pass ``position_ids`` and ``cache_position``, and the step its
 ``torch.compile(fullgraph=True)`` traces it as one graph (the "zipkv" mask function returns no mask for a decode
 step; ``paged_decode`` attends to exactly the stored tokens).
 
+Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``): :meth:`ZipKVCache.from_model` builds
+the paged cache with each layer's window from the config, so decode attends to the window only and the pages before
+it are freed between steps. Attention logit softcapping (Gemma 2): decode passes the cap to ``paged_decode``;
+prefill, which SDPA cannot cap, runs a plain eager attention with the cap.
+
 Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked prefill,
-continuing a conversation, assisted decoding), beam search and ``num_return_sequences > 1``, attention logit
-softcapping (Gemma 2), and sliding-window layers once a sequence is longer than the window.
+continuing a conversation, assisted decoding), beam search and ``num_return_sequences > 1``.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ class ZipKVCache(Cache):
         """
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
+        windows = sliding_windows(config)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -151,7 +156,8 @@ class ZipKVCache(Cache):
             kwargs = _raw_sizing(num_layers, num_kv_heads, head_dim, page_size, batch_size, max_length)
         else:
             kwargs = {"max_bytes": max_bytes}
-        kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device, **kwargs)
+        kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device,
+                                    sliding_window=windows, **kwargs)
         return cls(kv, max_new_tokens=max_new_tokens)
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
@@ -222,25 +228,26 @@ class ZipKVCache(Cache):
         """The "zipkv" attention of ``module.layer_idx`` (see the module docstring). Returns ``(out, None)``,
         ``out`` [batch, q_len, Hq, D]."""
         layer = module.layer_idx
-        if softcap is not None:
-            raise NotImplementedError(f"'zipkv' attention does not support softcap (got softcap={softcap}); "
-                                      "use attn_implementation='eager' for this model")
         if query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16:
             raise ValueError(f"'zipkv' attention needs a bfloat16 model, got query {query.dtype} and key {key.dtype}")
+        if self.kv.sliding_window[layer] != sliding_window:
+            # The paged cache frees what lies before its window: it must be the model's, or decode would be wrong.
+            raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, but the cache was built with "
+                             f"{self.kv.sliding_window[layer]}; build it with ZipKVCache.from_model(model, ...)")
         if query.shape[2] > 1:
             self._prefill(layer, key, value, attention_mask)
+            if softcap is not None:  # SDPA cannot cap logits
+                return _softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           sliding_window=sliding_window, **kwargs)
         if self.seq_ids is None:
             raise RuntimeError("'zipkv' decode step before any prefill into this ZipKVCache")
-        if sliding_window is not None and self.layers[layer].seen > sliding_window:
-            raise NotImplementedError(f"layer {layer} has a sliding window of {sliding_window} tokens and sequences "
-                                      "have grown past it; sliding windows are not supported yet")
         if query.shape[0] != len(self.seq_ids):
             raise ValueError(f"query has batch {query.shape[0]}, the cache holds {len(self.seq_ids)} sequences")
         # [B, H, 1, D] -> [B, H, D]; the step was planned for all layers at layer 0's update: no host work here
         self.kv.step_append(layer, self.step, key[:, :, 0].contiguous(), value[:, :, 0].contiguous())
-        out = self.kv.step_decode(layer, self.step, query[:, :, 0].contiguous(), sm_scale=scaling)
+        out = self.kv.step_decode(layer, self.step, query[:, :, 0].contiguous(), sm_scale=scaling,
+                                  logits_soft_cap=softcap or 0.0)
         return out.unsqueeze(1), None
 
     def _prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, attention_mask) -> None:
@@ -260,6 +267,33 @@ class ZipKVCache(Cache):
             keep = real[row]
             # [H, L, D] -> [n, H, D], real tokens only
             self.kv.append(layer, sid, key[row][:, keep].transpose(0, 1), value[row][:, keep].transpose(0, 1))
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Each layer's sliding window (tokens attended, the newest included) from a transformers text config: from
+    ``layer_types`` where the config has them ("sliding_attention"), else ``sliding_window`` for every layer."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * config.num_hidden_layers
+
+
+def _softcapped_attention(query, key, value, attention_mask, scaling: float, softcap: float) -> torch.Tensor:
+    """Prefill attention with logits capped at ``softcap * tanh(logits / softcap)`` (Gemma 2), as transformers'
+    eager attention computes it: [B, Hq, L, D] inputs, a bool (True: attend) or additive mask; returns [B, L, Hq, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        if mask.dtype == torch.bool:  # a large negative, not -inf: a fully masked (pad) row stays finite
+            mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(logits.dtype).min)
+        logits = logits + mask
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def _real_tokens(attention_mask, batch: int, length: int, device) -> torch.Tensor:
