@@ -16,13 +16,16 @@ layers, so every block is a real block; ~0.79; skipped without the model).
 Bookkeeping: ``--batch`` sequences of ``--context`` tokens in a cache of the model's layer count (1 KV head, d 64: the
 host work does not depend on heads or dims), then decode steps, two ways: ``prepare_step`` once (every layer's new
 pages and the shared page table) and per layer only ``step_append`` (the op), as a decode loop or a CUDA Graph
-drives it; and the per-layer API (``append`` + ``page_table`` per layer). Each step ends with
-``compress_full_pages()`` (staggered lengths: ~1/16 of the sequences fill a page in every layer each step). Reported
-(median over steps): host µs per step for all layers, the part spent inside the ``append_kv`` calls (the kernel on
-CPU, its launch on GPU: what any paged cache pays), the difference (the cache's bookkeeping, including the calls that
-lead to the op), ``prepare_step`` alone; and ``compress_full_pages`` per step, the part inside its ``decompress_pages`` / ``compress_pages`` calls (the
-compression itself on CPU, their launches on GPU) and the rest (bookkeeping, index copies, and on GPU the one sync,
-which waits for the step's kernels). Writes bench_capacity.json into --out.
+drives it; and the per-layer API (``append`` + ``page_table`` per layer). Every ``--compress-every`` steps
+``compress_full_pages(wait=False)`` runs, as ZipKVCache's decode loop calls it (staggered lengths: ~1/16 of the
+sequences fill a page in every layer each step; each call places the previous call's round and starts one);
+"prepare_step_wait" repeats the planned run with ``wait=True`` (a device sync per call). Reported: host µs per step
+for all layers (median over steps), the part spent inside the ``append_kv`` calls (the kernel on CPU, its launch on
+GPU: what any paged cache pays), the difference (the cache's bookkeeping, including the calls that lead to the op),
+``prepare_step`` alone; ``compress_full_pages`` per call (median) and per step (its mean over all steps: the
+amortized cost), the part of a call inside its ``decompress_pages`` / ``compress_pages`` calls (the compression
+itself on CPU, their launches on GPU) and the rest (bookkeeping, index copies, the sync if waiting); and
+``host_us_per_step``: the step's median plus compression per step. Writes bench_capacity.json into --out.
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ def bookkeeping(args, device) -> dict:
             return out
         return call
 
-    def run(planned: bool):
-        step_s, op_s, prepare_s, compress_s, compress_op_s, pages = [], [], [], [], [], []
+    def run(planned: bool, wait: bool = False):
+        step_s, op_s, prepare_s, compress_s, calls_s, compress_op_s, pages = [], [], [], [], [], [], []
         for step in range(args.steps):
             sync()
             for name in in_op:
@@ -124,29 +127,35 @@ def bookkeeping(args, device) -> dict:
                     cache.append(layer, sids, kt, kt)
                     cache.page_table(layer, sids)
             t1 = time.perf_counter()
-            pages.append(cache.compress_full_pages())
+            if step % args.compress_every == 0:
+                pages.append(cache.compress_full_pages(wait))
+                calls_s.append(time.perf_counter() - t1)
+                compress_op_s.append(in_op["compress_pages"] + in_op["decompress_pages"])
             compress_s.append(time.perf_counter() - t1)
-            compress_op_s.append(in_op["compress_pages"] + in_op["decompress_pages"])
             step_s.append(t1 - t0)
             op_s.append(in_op["append_kv"])
         med = lambda xs: statistics.median(xs[2:]) * 1e6  # noqa: E731  (first steps warm the memos)
+        per_call = lambda xs: statistics.median(xs[1:]) * 1e6  # noqa: E731  (the first call warms them)
+        amortized = statistics.mean(compress_s[args.compress_every:]) * 1e6  # whole periods after the first call
         book = [s - o for s, o in zip(step_s, op_s)]
         return {"step_us": med(step_s), "inside_append_kv_us": med(op_s), "bookkeeping_us_per_step": med(book),
                 "bookkeeping_us_per_layer": med(book) / L, "prepare_step_us": med(prepare_s) if planned else None,
-                "compress_full_pages_us_per_step": med(compress_s),
-                "compress_pages_per_step": statistics.median(pages[2:]),
-                "compress_inside_ops_us": med(compress_op_s),
-                "compress_rest_us": med([c - o for c, o in zip(compress_s, compress_op_s)])}
+                "compress_every": args.compress_every, "compress_call_us": per_call(calls_s),
+                "compress_pages_per_call": statistics.median(pages[1:]),
+                "compress_inside_ops_us": per_call(compress_op_s),
+                "compress_rest_us": per_call([c - o for c, o in zip(calls_s, compress_op_s)]),
+                "compress_full_pages_us_per_step": amortized,
+                "host_us_per_step": med(step_s) + amortized}
 
     for name in in_op:
         setattr(ops, name, timed(name))
     try:
-        per_layer, planned = run(False), run(True)
+        per_layer, planned, planned_wait = run(False), run(True), run(True, wait=True)
     finally:
         for name, op in originals.items():
             setattr(ops, name, op)
     return {"layers": L, "batch": B, "context": args.context, "steps": args.steps,
-            "prepare_step": planned, "per_layer_append": per_layer}
+            "prepare_step": planned, "prepare_step_wait": planned_wait, "per_layer_append": per_layer}
 
 
 def fit_report(args, device) -> dict:
@@ -189,7 +198,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=None, help="bookkeeping context (default 8192 on GPU, 2048 CPU)")
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--compress-every", type=int, default=8, help="decode steps between compress_full_pages calls "
+                   "(ZipKVCache's default); 1: every step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--only", choices=("fit", "bookkeeping"), help="run one part (default: both)")
     args = p.parse_args()
@@ -206,14 +217,16 @@ def main() -> None:
         bk = bookkeeping(args, device)
         result["bookkeeping"] = bk
         for name, r in (("prepare_step + per-layer append_kv", bk["prepare_step"]),
+                        ("the same, compress_full_pages(wait=True)", bk["prepare_step_wait"]),
                         ("per-layer append + page_table", bk["per_layer_append"])):
             print(f"decode step, batch {bk['batch']}, {bk['layers']} layers, context {bk['context']}, {name}: "
                   f"{r['step_us']:.0f} µs/step, of which inside append_kv {r['inside_append_kv_us']:.0f} µs -> "
                   f"bookkeeping {r['bookkeeping_us_per_step']:.0f} µs ({r['bookkeeping_us_per_layer']:.1f} µs/layer"
                   + (f"; prepare_step alone {r['prepare_step_us']:.0f} µs)" if r["prepare_step_us"] else ")"))
-            print(f"  then compress_full_pages: {r['compress_full_pages_us_per_step']:.0f} µs/step for "
-                  f"{r['compress_pages_per_step']:.0f} pages, of which inside (de)compress_pages "
-                  f"{r['compress_inside_ops_us']:.0f} µs -> the rest {r['compress_rest_us']:.0f} µs")
+            print(f"  compress_full_pages every {r['compress_every']} steps: {r['compress_call_us']:.0f} µs/call for "
+                  f"{r['compress_pages_per_call']:.0f} pages (inside (de)compress_pages "
+                  f"{r['compress_inside_ops_us']:.0f} µs, the rest {r['compress_rest_us']:.0f} µs) = "
+                  f"{r['compress_full_pages_us_per_step']:.0f} µs/step; host total {r['host_us_per_step']:.0f} µs/step")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_capacity.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -542,9 +542,11 @@ def test_uploads_never_reuse_a_buffer_whose_copy_has_not_run():
 
 
 @requires_cuda
-def test_the_same_workload_on_cuda_gives_the_cpu_cache_byte_for_byte(gen):
+@pytest.mark.parametrize("wait", [True, False])
+def test_the_same_workload_on_cuda_gives_the_cpu_cache_byte_for_byte(gen, wait):
     """The cache's host logic drives the CUDA ops exactly as the CPU ones: same arena bytes and meta after prefill,
-    planned and per-layer decode steps, compression and compaction; gather is exact and attention agrees."""
+    planned and per-layer decode steps, compression (waiting, or placed a call later) and compaction; gather is
+    exact and attention agrees."""
     caches = [make(layers=2, chunks=40, device=d) for d in ("cpu", "cuda")]
     lens = [3, 16, 40, 75]
     sids = [[c.add_sequence(n, 40) for n in lens] for c in caches]
@@ -568,7 +570,7 @@ def test_the_same_workload_on_cuda_gives_the_cpu_cache_byte_for_byte(gen):
                     outs.append(c.step_decode(layer, plan, q.to(c.device)).cpu())
         assert all(rel_err(g, cpu.double()) < 1e-2 for cpu, g in zip(outs[:2], outs[2:]))
         if step % 5 == 4:
-            assert caches[0].compress_full_pages() == caches[1].compress_full_pages()
+            assert caches[0].compress_full_pages(wait) == caches[1].compress_full_pages(wait)
         if step == 20:
             assert caches[0].compact() == caches[1].compact()
     cpu, cuda = caches

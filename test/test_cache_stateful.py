@@ -119,21 +119,39 @@ class CacheMachine(RuleBasedStateMachine):
         for i in finite:
             assert rel_err(out[i], ref[i]) < 1e-2
 
+    def waiting(self) -> tuple[int, int]:
+        """Full pages not yet compressed, and pages of compression rounds not yet placed."""
+        layers = self.cache.stats()["layers"]
+        return sum(x["waiting_full_pages"] for x in layers), sum(x["compressing_pages"] for x in layers)
+
+    @rule()
+    def compress_later(self):
+        """compress_full_pages(wait=False): places the rounds earlier calls started (still their pages: freed ones
+        drop out), starts one for every full page, and leaves it in flight; those pages still read raw meanwhile."""
+        full, in_flight = self.waiting()
+        assert self.cache.compress_full_pages(wait=False) == in_flight
+        assert self.waiting() == (0, full)
+        if full and in_flight:
+            event("a round placed while the next starts")
+
     @rule()
     def compress(self):
-        waiting = sum(x["waiting_full_pages"] for x in self.cache.stats()["layers"])
-        assert self.cache.compress_full_pages() == waiting
+        full, in_flight = self.waiting()
+        assert self.cache.compress_full_pages() == full + in_flight
         arena = self.cache._arena
         if any(0 < n < arena.page_bytes and arena.kind[o // arena.chunk_bytes] == 1
                for o, n in zip(arena.offset.flat, arena.nbytes.flat)):
             event("a page compressed in place")
-        assert all(x["waiting_full_pages"] == 0 for x in self.cache.stats()["layers"])
+        assert self.waiting() == (0, 0)
 
     @precondition(lambda self: self.budget)
     @rule(data=st.data())
     def free(self, data):
         sid = data.draw(st.sampled_from(self.live()))
+        in_flight = self.waiting()[1]
         self.cache.free_sequence(sid)
+        if self.waiting()[1] < in_flight:
+            event("freed pages dropped out of a round in flight")
         del self.budget[sid]
         for layer in range(LAYERS):
             del self.kept[(sid, layer)]

@@ -223,6 +223,22 @@ def test_sliding_window_past_the_window(arch, gen):
             assert cache.kv.kept_from(cache.seq_ids[0], layer) == (67 - 16) // PAGE * PAGE
 
 
+def test_compressing_every_few_steps_gives_the_same_bits(gen):
+    """Pages read raw for a few more steps rebuild the same BF16 as compressed ones (lossless): compressing every
+    step or every 3rd gives bit-identical logits, and by the end every full page is compressed either way."""
+    model = small_model("qwen3")
+    ids, mask, forced = padded_batch(gen, [24, 15], 20)
+    runs = []
+    for every in (1, 3):
+        cache = ZipKVCache.from_model(model, batch_size=2, max_length=48, max_new_tokens=24, compress_every=every)
+        runs.append(teacher_forced_logits(model, "zipkv", ids, mask, forced, cache))
+        cache.kv.compress_full_pages()
+        assert cache.stats()["stored_bytes"] < cache.stats()["raw_bytes"]
+    assert torch.equal(runs[0], runs[1])
+    with pytest.raises(ValueError, match="compress_every"):
+        ZipKVCache.from_model(model, max_length=32, compress_every=0)
+
+
 def test_cache_with_another_window_than_the_model_raises(gen):
     model = small_model("gemma3", sliding_window=16)
     ids, mask, forced = padded_batch(gen, [20], 2)

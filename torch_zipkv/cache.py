@@ -105,6 +105,21 @@ class _Plan:
     slots: torch.Tensor | None = None
 
 
+@dataclass
+class _Round:
+    """Pages compressed together into ``scratch`` and not yet placed in the arena (they still read raw from their
+    slots, untouched): where each page's streams start in scratch and where the last ends (``ends``, bytes, a host
+    tensor: pinned on CUDA, filled by a copy that ``done`` marks), and their meta rows relative to scratch."""
+
+    serial: int
+    layers: np.ndarray
+    pids: np.ndarray
+    scratch: torch.Tensor  # uint8, the compressed streams back to back
+    meta: torch.Tensor  # int32 [n, 2, H, W]
+    ends: torch.Tensor  # int64 [n + 1], bytes
+    done: torch.cuda.Event | None
+
+
 def _remember(memo: dict, key, value) -> None:
     if len(memo) >= _MEMO:
         del memo[next(iter(memo))]
@@ -287,6 +302,12 @@ class CompressedPagedKVCache:
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self._reserved_ids = 0  # page ids promised to running sequences
         self._full: list[dict[int, None]] = [{} for _ in range(num_layers)]  # full raw pages, in fill order
+        # Compression rounds whose sizes have not been read back yet (compress_full_pages(wait=False)), oldest first,
+        # and per (layer, page) the serial of the round it is in (-1: none). Freeing a page resets its entry, so its
+        # round skips it even if the id is reused meanwhile.
+        self._rounds: collections.deque[_Round] = collections.deque()
+        self._round_of = np.full((num_layers, max_pages), -1, dtype=np.int64)
+        self._next_round = 0
         self._batches: dict = {}
         self._plans: dict = {}
         self._tables: dict = {}
@@ -333,6 +354,7 @@ class CompressedPagedKVCache:
             for p in seq.pages[:pages].tolist():
                 self._full[layer].pop(p, None)
         ids = seq.pages[: seq.num_ids]
+        self._round_of[:, ids] = -1
         ids_t, zero = self._upload(ids, self._arena.take_dirty())
         self._meta[:, ids_t] = fmt.NO_STREAM  # stale ids now fail loudly
         self._zero_pages(zero)
@@ -486,27 +508,40 @@ class CompressedPagedKVCache:
         return self._meta_views[layer]
 
     # ---- maintenance between steps ------------------------------------------------------------------------------
-    def compress_full_pages(self) -> int:
-        """Compress every full page still stored raw and return how many. Call it between decode steps (after the
-        attention that read those pages). Pages go to packed chunks, freeing their slots; when no packed room can be
-        taken without breaking a promise, a page is compressed in place in its own slot (after one huge compression,
-        e.g. all layers of a long prefill at once, the last layers may end up so; :meth:`compact` packs them). A
-        round of up to 256 MiB of pages, of any layers, is one decompress and one compress call and one device sync.
-        Sliding-window layers first free their pages that lie wholly before the window (never compressed).
+    def compress_full_pages(self, wait: bool = True) -> int:
+        """Compress every full page still stored raw; returns how many pages took their compressed place in this
+        call. Call it between decode steps (after the attention that read those pages). Pages go to packed chunks,
+        freeing their slots; when no packed room can be taken without breaking a promise, a page is compressed in
+        place in its own slot (after one huge compression, e.g. all layers of a long prefill at once, the last layers
+        may end up so; :meth:`compact` packs them). Sliding-window layers first free their pages that lie wholly
+        before the window (never compressed).
+
+        A round of up to 256 MiB of pages, of any layers, is one decompress and one compress call; placing them
+        needs their compressed sizes on the host. ``wait=True`` waits for them (a device sync) and places every
+        page now. ``wait=False`` never waits: it places the rounds of earlier calls whose sizes have arrived and
+        leaves this call's to a later call (on CPU: always the next); meanwhile those pages stay raw where they
+        are, correct to read, and their bytes come back one call later. A decode loop calls it so every step.
         """
         self._free_out_of_window()
+        placed = self._finish_rounds(wait)
         counts = [len(full) for full in self._full]
         layers = self._all_layers.repeat(counts)
         pids = np.fromiter(itertools.chain.from_iterable(self._full), dtype=np.int64, count=len(layers))
         limit = max(1, _COMPRESS_ROUND_BYTES // self.page_bytes)
         for at in range(0, len(pids), limit):
-            self._compress(layers[at: at + limit], pids[at: at + limit])
+            if len(self._rounds) >= 2:  # bound the scratch held by rounds in flight: place the oldest first
+                placed += self._place(self._rounds.popleft())
+            self._start_round(layers[at: at + limit], pids[at: at + limit])
+        for full in self._full:
+            full.clear()
+        if wait:
+            placed += self._finish_rounds(wait=True)
         # Slots the pages left are scattered among open pages (after a prefill, one open page per chunk): drain
         # layers holding more than one spare slot chunk, so the room returns to the pool for any layer.
         spare = (self._arena.spare_slot_chunks(self._all_layers) > 1).nonzero()[0].tolist()
         if spare:
             self._apply(lambda layer: self._arena.drain_slots(layer, slack=1), spare)
-        return len(pids)
+        return placed
 
     def _free_out_of_window(self) -> None:
         """Free, in every sliding-window layer, each sequence's pages that end before its window: the decode of this
@@ -526,6 +561,7 @@ class CompressedPagedKVCache:
             self._arena.remove(layer, pages)
             for p in pages.tolist():
                 self._full[layer].pop(p, None)
+            self._round_of[layer, pages] = -1
             layers.append(np.full(len(pages), layer))
             pids.append(pages)
             self._dropped[rows[i], layer] = keep[i, w]
@@ -534,26 +570,56 @@ class CompressedPagedKVCache:
         self._meta_rows[rows_t] = fmt.NO_STREAM  # a freed page fails loudly if anything reads it
         self._zero_pages(zero)
 
-    def _compress(self, layers: np.ndarray, pids: np.ndarray) -> None:
-        """Compress pages (layers[i], pids[i]) of any layers, with one decompress and one compress call on the meta
-        rows of all layers, into a scratch buffer (room for all of them raw, so it cannot overflow); read back where
-        each page's streams start (the one sync); place them in this order; copy them there, shift their meta rows
-        and zero the slots they left."""
-        A = fmt.STREAM_ALIGN
-        scratch = torch.empty(len(pids) * self.page_bytes, dtype=torch.uint8, device=self.device)
-        rows = self._rows(layers, pids)
-        ids, cursor = self._upload(rows.astype(np.int32), np.array([0, scratch.numel()], dtype=np.int64))
+    def _start_round(self, layers: np.ndarray, pids: np.ndarray) -> None:
+        """Compress pages (layers[i], pids[i]) of any layers (layers ascending) with one decompress and one compress
+        call on the meta rows of all layers, into a scratch buffer (room for all of them raw, so it cannot overflow)
+        and scratch meta rows; start copying where each page's streams start to the host. Nothing waits."""
+        n = len(pids)
+        scratch = torch.empty(n * self.page_bytes, dtype=torch.uint8, device=self.device)
+        meta = torch.empty((n, *self._meta_rows.shape[1:]), dtype=torch.int32, device=self.device)
+        ids, local, cursor = self._upload(self._rows(layers, pids).astype(np.int32), np.arange(n, dtype=np.int32),
+                                          np.array([0, scratch.numel()], dtype=np.int64))
         kv = ops.decompress_pages(self.data, self._meta_rows, ids, self.page_size, self.head_dim)
-        ops.compress_pages(kv, ids, scratch, self._meta_rows, cursor)
-        # The round's one sync: where each page's streams start (word 0 of (K, head 0), in units of A) and where the
-        # last page ends (the cursor, in bytes); pages lie back to back, in order.
-        ends = torch.cat([self._meta_starts[:, 0, 0].index_select(0, ids).long(), cursor[:1]]).cpu().numpy()
-        ends[:-1] *= A
-        sizes = ends[1:] - ends[:-1]
+        ops.compress_pages(kv, local, scratch, meta, cursor)
+        # Pages lie back to back, in order: each starts at word 0 of its (K, head 0) stream (in STREAM_ALIGN units),
+        # the last ends at the cursor.
+        ends = torch.cat([meta[:, 0, 0, 0].long() * fmt.STREAM_ALIGN, cursor[:1]])
+        done = None
+        if self.device.type == "cuda":
+            host = torch.empty(n + 1, dtype=torch.int64, pin_memory=True)
+            ends, done = host.copy_(ends, non_blocking=True), torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        self._round_of[layers, pids] = self._next_round
+        self._rounds.append(_Round(self._next_round, layers, pids, scratch, meta, ends, done))
+        self._next_round += 1
+
+    def _finish_rounds(self, wait: bool) -> int:
+        """Place the rounds in flight, oldest first: all of them (waiting for their sizes) if ``wait``, else those
+        whose sizes have arrived. Returns the pages placed."""
+        placed = 0
+        while self._rounds and (wait or self._rounds[0].done is None or self._rounds[0].done.query()):
+            placed += self._place(self._rounds.popleft())
+        return placed
+
+    def _place(self, r: _Round) -> int:
+        """Put a round's pages that are still its own (not freed since; :attr:`_round_of`) where the arena says:
+        their scratch meta rows replace the raw ones, then their bytes are copied there, the rows shifted to match,
+        and the slots they left zeroed. Returns how many."""
+        if r.done is not None:
+            r.done.synchronize()  # no-op once it has run; only compress_full_pages(wait=True) gets here earlier
+        ends = r.ends.numpy()
+        mine = (self._round_of[r.layers, r.pids] == r.serial).nonzero()[0]
+        if not len(mine):
+            return 0
+        layers, pids = r.layers[mine], r.pids[mine]
+        self._round_of[layers, pids] = -1
+        sizes = ends[mine + 1] - ends[mine]
         offsets = self._arena.repack(layers, pids, sizes)
-        for layer, p in zip(layers.tolist(), pids.tolist()):
-            del self._full[layer][p]
-        self._move(rows, offsets, ends[:-1], sizes, scratch, self._arena.take_dirty())  # zero the slots they left
+        rows = self._rows(layers, pids)
+        rows_t, mine_t = self._upload(rows, mine)
+        self._meta_rows[rows_t] = r.meta[mine_t]  # relative to scratch until _move shifts them
+        self._move(rows, offsets, ends[mine], sizes, r.scratch, self._arena.take_dirty())  # zero the slots they left
+        return len(mine)
 
     def compact(self) -> int:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
@@ -638,7 +704,8 @@ class CompressedPagedKVCache:
         """Bytes and chunks: ``raw_bytes`` (live pages as plain BF16), ``stored_bytes`` (as stored), ``ratio``,
         ``meta_bytes``, ``tokens`` (stored), ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation`` (share
         of the bytes in layer-owned chunks that hold no live page: free slots, packed tails, holes, room left by
-        pages compressed in place) and ``layers``, one dict per layer."""
+        pages compressed in place) and ``layers``, one dict per layer (``waiting_full_pages``: full pages not yet
+        compressed; ``compressing_pages``: compressed by ``compress_full_pages(wait=False)``, not yet placed)."""
         a = self._arena
         rows = [s.row for s in self._seqs.values()]
         tokens = np.zeros(self.num_layers, dtype=np.int64)  # stored: a sliding window's freed pages are gone
@@ -651,6 +718,7 @@ class CompressedPagedKVCache:
             layers.append({
                 "tokens": int(tokens[layer]), "pages": pages, "raw_bytes": pages * self.page_bytes,
                 "stored_bytes": stored, "waiting_full_pages": len(self._full[layer]),
+                "compressing_pages": int((self._round_of[layer] >= 0).sum()),
                 "slot_chunks": len(a.slot_chunks[layer]), "packed_chunks": len(a.packed_chunks[layer]),
                 "free_slots": int(a.free_slot_count[layer]), "promised_pages": int(a.reserved[layer])})
         raw = sum(x["raw_bytes"] for x in layers)

@@ -21,8 +21,9 @@ all the work for ``module.layer_idx``:
 - decode (query length 1): append the new token of every sequence, then ``paged_decode`` on the compressed pages.
 
 Sequences are added to the :class:`~torch_zipkv.CompressedPagedKVCache` at prefill, when their real lengths are known,
-each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compressed at the start of every decode
-step (layer 0's update), after the attention that read them; never inside the attention. Without a ``ZipKVCache``
+each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compressed at the start of a decode step
+(layer 0's update; every ``compress_every`` steps, the first decode step included), after the attention that read
+them; never inside the attention. Without a ``ZipKVCache``
 (``use_cache=False``, or another cache class), "zipkv" attention is plain SDPA.
 
 Compiling a decode step: call :meth:`ZipKVCache.begin_step` before it (compression of full pages and the step's
@@ -105,13 +106,18 @@ class ZipKVCache(Cache):
         kv: the paged cache (its ``num_layers``, ``num_kv_heads`` and ``head_dim`` must match the model).
         max_new_tokens: tokens each sequence may grow by after its prompt; reserved in the cache at prefill, so
             generation never runs out of room. ``None`` reserves nothing beyond the prompt.
+        compress_every: decode steps between compressions of the pages filled meanwhile (the first decode step
+            compresses the prompts). Each compression costs host time per call more than per page, and a page
+            left raw a few steps longer costs nothing but its 4/3 size (raw pages are promised anyway).
     """
 
-    def __init__(self, kv: CompressedPagedKVCache, *, max_new_tokens: int | None = None):
+    def __init__(self, kv: CompressedPagedKVCache, *, max_new_tokens: int | None = None, compress_every: int = 8):
         if not isinstance(kv, CompressedPagedKVCache):
             raise TypeError(f"kv must be a CompressedPagedKVCache, got {type(kv).__name__}")
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
             raise ValueError(f"max_new_tokens must be None or an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(compress_every, int) or compress_every < 1:
+            raise ValueError(f"compress_every must be an int >= 1, got {compress_every!r}")
         super().__init__(layers=[_ZipKVLayer() for _ in range(kv.num_layers)])
         self.kv = kv
         if kv.device.type == "cuda":
@@ -120,6 +126,8 @@ class ZipKVCache(Cache):
             for t in (kv.data, *(kv.meta(layer) for layer in range(kv.num_layers))):
                 torch._dynamo.mark_static_address(t)
         self.max_new_tokens = max_new_tokens
+        self.compress_every = compress_every
+        self.steps = 0  # decode steps planned since the prefill
         self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
         self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step)
         self.planned = False  # begin_step ran for the coming decode step
@@ -127,7 +135,7 @@ class ZipKVCache(Cache):
     @classmethod
     def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
                    max_new_tokens: int | None = None, max_bytes: int | None = None, page_size: int = 16,
-                   device=None) -> "ZipKVCache":
+                   device=None, compress_every: int = 8) -> "ZipKVCache":
         """A cache shaped for ``model`` (its text config: layers, KV heads, head_dim), on the model's device.
 
         Size it with ``max_bytes`` (data + metadata, see :class:`~torch_zipkv.CompressedPagedKVCache`) or with
@@ -158,7 +166,7 @@ class ZipKVCache(Cache):
             kwargs = {"max_bytes": max_bytes}
         kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device,
                                     sliding_window=windows, **kwargs)
-        return cls(kv, max_new_tokens=max_new_tokens)
+        return cls(kv, max_new_tokens=max_new_tokens, compress_every=compress_every)
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -181,14 +189,17 @@ class ZipKVCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def begin_step(self) -> None:
-        """Host work of one decode step, for every layer: compress the pages the last step filled (after the
-        attention that read them), then plan where each sequence's next token goes and the page table
-        (:meth:`~torch_zipkv.CompressedPagedKVCache.prepare_step`). A decode step's layer-0 update calls it; call it
+        """Host work of one decode step, for every layer: every ``compress_every`` steps, compress the pages filled
+        since (after the attention that read them; without waiting for the device, see
+        :meth:`~torch_zipkv.CompressedPagedKVCache.compress_full_pages`), then plan where each sequence's next token
+        goes and the page table (:meth:`~torch_zipkv.CompressedPagedKVCache.prepare_step`). A decode step's layer-0 update calls it; call it
         yourself before a compiled or graph-captured decode step, so the step itself only runs tensor ops."""
         if self.seq_ids is None:
             raise RuntimeError("ZipKVCache.begin_step before any prefill")
-        self.kv.compress_full_pages()
+        if self.steps % self.compress_every == 0:  # never waits for the device: a round is placed a call later
+            self.kv.compress_full_pages(wait=False)
         self.step = self.kv.prepare_step(self.seq_ids)
+        self.steps += 1
         self.planned = True
 
     def reset(self) -> None:
@@ -196,6 +207,7 @@ class ZipKVCache(Cache):
         for sid in self.seq_ids or ():
             self.kv.free_sequence(sid)
         self.seq_ids = self.step = None
+        self.steps = 0
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -382,6 +394,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         step = torch.compile(step, fullgraph=True, mode=compile if isinstance(compile, str) else None)
     tokens, seen, done = [input_ids], [], torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     position = position_ids[:, -1:] + 1
+    # Made on the device and stepped there: a tensor built from a host int each step would be a blocking copy that
+    # waits for the queued step, and the host could no longer run ahead of the GPU.
+    cache_position = torch.full((1,), length, dtype=torch.long, device=input_ids.device)
     for t in range(max_new_tokens):
         seen.append(logits)
         if do_sample:
@@ -396,10 +411,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if t + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
             break
         cache.begin_step()
-        logits = step(token, position, torch.tensor([length + t], device=input_ids.device))
+        logits = step(token, position, cache_position)
         if compile:  # a CUDA Graph's output buffer is rewritten by the next replay: keep this step's own copy
             logits = logits.clone()
-        position = position + 1
+        position, cache_position = position + 1, cache_position + 1
     out = torch.cat(tokens, 1)
     return (out, torch.stack(seen, 1)) if return_logits else out
 
