@@ -300,15 +300,34 @@ class Arena:
         return offsets
 
     def _repack_each(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        out = []
-        for layer, p, size in zip(layers.tolist(), pages.tolist(), sizes.tolist()):
-            off = self._alloc_packed(layer, size)
+        """Pages (layers ascending) placed as if one at a time, in order: into the layer's destination chunk while
+        they fit; a page that does not goes where :meth:`_alloc_packed` says (another tail, a chunk from the pool,
+        or its own slot, in place), and the pages after it follow the new destination. Each run of pages that fits
+        the destination is placed, and its slots released, at once: nothing between them could take from the pool,
+        so this is the page-at-a-time result at a cost per destination change, not per page."""
+        out = np.empty(len(pages), dtype=np.int64)
+        run_end = np.append(_run_starts(layers)[1:], len(pages))[np.cumsum(np.append(0, np.diff(layers) != 0))]
+        i = 0
+        while i < len(pages):
+            layer, d = int(layers[i]), int(self.dest[layers[i]])
+            if d >= 0:  # the leading pages that fit the destination's tail
+                before = np.cumsum(sizes[i: run_end[i]])
+                k = int(np.searchsorted(before, self.chunk_bytes - self.used[d], side="right"))
+                if k:
+                    out[i: i + k] = d * self.chunk_bytes + self.used[d] + before[:k] - sizes[i: i + k]
+                    self.used[d] += before[k - 1]
+                    self.live[d] += before[k - 1]
+                    self.release(layers[i: i + k], pages[i: i + k])
+                    i += k
+                    continue
+            off = self._alloc_packed(layer, int(sizes[i]))
             if off is None:
-                off = int(self.offset[layer, p])  # in place: the slot stays taken, the page is just smaller
+                off = int(self.offset[layer, pages[i]])  # in place: the slot stays taken, the page is just smaller
             else:
-                self.release(np.array([layer]), np.array([p]))
-            out.append(off)
-        return np.array(out, dtype=np.int64)
+                self.release(layers[i: i + 1], pages[i: i + 1])
+            out[i] = off
+            i += 1
+        return out
 
     # ---- compaction -----------------------------------------------------------------------------------------
     def _pages_in(self, layer: int, c: int) -> np.ndarray:
