@@ -37,6 +37,15 @@ def fill(cache, kept, layer, sid, n, seed, kind=0):
     kept[(sid, layer)] = (k, v) if old is None else (torch.cat([old[0], k]), torch.cat([old[1], v]))
 
 
+def append_step(cache, kept, layer, sids, seed):
+    """One decode token for each of ``sids`` in ``layer`` (cache.append), recorded in ``kept``."""
+    k, v = tokens(seed, len(sids), H, D)
+    cache.append(layer, sids, k, v)
+    for b, sid in enumerate(sids):
+        old = kept[(sid, layer)]
+        kept[(sid, layer)] = (torch.cat([old[0], k[b: b + 1]]), torch.cat([old[1], v[b: b + 1]]))
+
+
 def check_all(cache, kept):
     check_contents(cache, kept)
     check_accounting(cache, kept, check_layout(cache, kept))
@@ -55,11 +64,7 @@ def test_prefill_and_decode_steps_match_float64_reference(gen):
     compressed = 0
     for step in range(20):
         for layer in range(2):
-            k, v = tokens(1000 + 10 * step + layer, len(sids), H, D)
-            cache.append(layer, sids, k, v)
-            for b, sid in enumerate(sids):
-                old = kept[(sid, layer)]
-                kept[(sid, layer)] = (torch.cat([old[0], k[b: b + 1]]), torch.cat([old[1], v[b: b + 1]]))
+            append_step(cache, kept, layer, sids, seed=1000 + 10 * step + layer)
             q = torch.randn(len(sids), 3 * H, D, generator=gen).bfloat16()
             lse = torch.empty(len(sids), 3 * H)
             out = cache.decode(layer, q, sids, lse=lse)
@@ -88,11 +93,7 @@ def test_sliding_window_layer_attends_to_and_keeps_only_its_window(gen):
             fill(cache, kept, layer, sid, n, seed=10 * layer + i)
     for step in range(30):
         for layer in range(2):
-            k, v = tokens(500 + 10 * step + layer, len(sids), H, D)
-            cache.append(layer, sids, k, v)
-            for b, sid in enumerate(sids):
-                old = kept[(sid, layer)]
-                kept[(sid, layer)] = (torch.cat([old[0], k[b: b + 1]]), torch.cat([old[1], v[b: b + 1]]))
+            append_step(cache, kept, layer, sids, seed=500 + 10 * step + layer)
             q = torch.randn(len(sids), 2 * H, D, generator=gen).bfloat16()
             out = cache.decode(layer, q, sids)
             seen = [kept[(s, layer)] for s in sids]

@@ -181,17 +181,24 @@ def reference_and_tolerance(model, ids, mask, forced):
     return ref, max(1.5 * float((eager - ref).abs().max()), 4e-3)
 
 
+def assert_zipkv_logits_match(model, arch: str, gen, lengths, steps: int) -> ZipKVCache:
+    """Prefill of a left-padded batch of prompts of ``lengths`` real tokens, then ``steps`` teacher-forced decode
+    steps: the "zipkv" logits are within :func:`reference_and_tolerance`'s tolerance. Returns the cache."""
+    ids, mask, forced = padded_batch(gen, lengths, steps)
+    ref, tol = reference_and_tolerance(model, ids, mask, forced)
+    cache = ZipKVCache.from_model(model, batch_size=len(lengths), max_length=max(lengths) + steps + 1,
+                                  max_new_tokens=steps + 1, page_size=PAGE)
+    got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
+    err = float((got - ref).abs().max())
+    assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
+    return cache
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral", "gemma3", "gemma2"])
 def test_random_model_logits_match_default(arch, gen):
     """Prefill of a left-padded batch (24 and 15 real tokens) and 20 decode steps across page boundaries: the "zipkv"
     logits stay as close to DynamicCache + SDPA as transformers' eager attention is (x1.5), and full pages compress."""
-    model = small_model(arch)
-    ids, mask, forced = padded_batch(gen, [24, 15], 20)
-    ref, tol = reference_and_tolerance(model, ids, mask, forced)
-    cache = ZipKVCache.from_model(model, batch_size=2, max_length=48, max_new_tokens=24, page_size=PAGE)
-    got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
-    err = float((got - ref).abs().max())
-    assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
+    cache = assert_zipkv_logits_match(small_model(arch), arch, gen, [24, 15], 20)
     stats = cache.stats()
     assert stats["tokens"] == 2 * (24 + 15 + 2 * 20)  # 2 layers x (prompts + 20 steps of 2 sequences), no pads
     assert stats["stored_bytes"] < stats["raw_bytes"]
@@ -204,13 +211,7 @@ def test_random_model_logits_match_default(arch, gen):
 def test_sliding_window_past_the_window(arch, gen):
     """Sequences grow far past a 16-token window (prompts of 37 and 11 tokens, 30 steps): logits match the default
     path, which attends to the window only, and the sliding layers keep only the pages the window touches."""
-    model = small_model(arch, sliding_window=16)
-    ids, mask, forced = padded_batch(gen, [37, 11], 30)
-    ref, tol = reference_and_tolerance(model, ids, mask, forced)
-    cache = ZipKVCache.from_model(model, batch_size=2, max_length=68, max_new_tokens=30, page_size=PAGE)
-    got = teacher_forced_logits(model, "zipkv", ids, mask, forced, cache)
-    err = float((got - ref).abs().max())
-    assert err <= tol, f"{arch}: zipkv logits off by {err}, tolerance {tol}"
+    cache = assert_zipkv_logits_match(small_model(arch, sliding_window=16), arch, gen, [37, 11], 30)
     windows = cache.kv.sliding_window
     assert windows.count(16) >= 1 and set(windows) <= {16, None}
     cache.kv.compress_full_pages()
@@ -284,7 +285,8 @@ def test_decode_step_compiles_with_fullgraph_and_no_recompiles(gen):
     counters.clear()
     model = small_model("qwen3")
     torch_zipkv.enable(model)
-    caches = [ZipKVCache.from_model(model, batch_size=2, max_length=96, max_new_tokens=40) for _ in range(2)]
+    caches = [ZipKVCache.from_model(model, batch_size=2, max_length=96, max_new_tokens=40, compress_every=1)
+              for _ in range(2)]
     ids = torch.randint(0, 512, (2, 13), generator=gen)
     with torch.no_grad():
         for cache in caches:
