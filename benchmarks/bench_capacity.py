@@ -226,7 +226,8 @@ def main() -> None:
             print(f"  compress_full_pages every {r['compress_every']} steps: {r['compress_call_us']:.0f} µs/call for "
                   f"{r['compress_pages_per_call']:.0f} pages (inside (de)compress_pages "
                   f"{r['compress_inside_ops_us']:.0f} µs, the rest {r['compress_rest_us']:.0f} µs) = "
-                  f"{r['compress_full_pages_us_per_step']:.0f} µs/step; host total {r['host_us_per_step']:.0f} µs/step")
+                  f"{r['compress_full_pages_us_per_step']:.0f} µs/step; "
+                  f"host total {r['host_us_per_step']:.0f} µs/step")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_capacity.json").write_text(json.dumps(result, indent=2) + "\n")

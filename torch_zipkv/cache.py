@@ -520,7 +520,7 @@ class CompressedPagedKVCache:
         needs their compressed sizes on the host. ``wait=True`` waits for them (a device sync) and places every
         page now. ``wait=False`` never waits: it places the rounds of earlier calls whose sizes have arrived and
         leaves this call's to a later call (on CPU: always the next); meanwhile those pages stay raw where they
-        are, correct to read, and their bytes come back one call later. A decode loop calls it so every step.
+        are, correct to read, and their bytes come back one call later. A decode loop calls it so.
         """
         self._free_out_of_window()
         placed = self._finish_rounds(wait)
@@ -649,8 +649,8 @@ class CompressedPagedKVCache:
 
     def _move(self, rows: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, source: torch.Tensor,
               zero: np.ndarray) -> None:
-        """Copy the pages of meta rows ``rows`` (int64) from bytes ``src`` of ``source`` to bytes ``dst`` of data (``nbytes``
-        each, all sources read before any destination is written; every offset and size is a multiple of
+        """Copy the pages of meta rows ``rows`` (int64) from bytes ``src`` of ``source`` to bytes ``dst`` of data
+        (``nbytes`` each, all sources read before any destination is written; every offset and size is a multiple of
         STREAM_ALIGN), add the distance moved to word 0 of their meta rows, then zero slots ``zero``."""
         A = fmt.STREAM_ALIGN
         dst, src = (dst // A).astype(np.int32), (src // A).astype(np.int32)  # units; data holds < 2**31 of them
