@@ -1,7 +1,8 @@
 """Random workloads against CompressedPagedKVCache (hypothesis, stateful): add / append (prefill chunks and decode
-steps, any layer, any subset of sequences) / planned decode steps of every layer / compress / decode / free / compact,
-with the checks of cache_oracle after every step: contents bit-exact, no overlapping pages, accounting that adds up,
-promises that hold."""
+steps, any layer, any subset of sequences) / planned decode steps of every layer / compress (waiting, or placed a call
+later) / decode / free / compact, with the checks of cache_oracle after every step: contents bit-exact, no overlapping
+pages, accounting that adds up, promises that hold. The last layer slides over a 10-token window: it attends to the
+window and frees the pages before it."""
 
 import torch
 from hypothesis import event, settings
@@ -13,6 +14,7 @@ from torch_zipkv import CacheFullError, CompressedPagedKVCache
 from cache_oracle import bits, check_accounting, check_contents, check_layout, decode_reference, rel_err, tokens
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 64, 16
+WINDOW = 10  # of layer LAYERS - 1: pages fall out of it from 26 tokens on
 PAGE_BYTES = 2 * PAGE * HEADS * HEAD_DIM * 2
 
 
@@ -24,7 +26,8 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.cache = CompressedPagedKVCache(
             LAYERS, HEADS, HEAD_DIM, page_size=PAGE, device="cpu", chunk_bytes=self.chunk_pages * PAGE_BYTES,
-            max_bytes=self.chunks * self.chunk_pages * PAGE_BYTES + 8192)
+            max_bytes=self.chunks * self.chunk_pages * PAGE_BYTES + 8192,
+            sliding_window=[None] * (LAYERS - 1) + [WINDOW])
         assert self.cache._arena.num_chunks == self.chunks
         self.kept = {}  # (seq, layer) -> (k, v) appended so far
         self.budget = {}  # seq -> tokens promised
@@ -32,6 +35,26 @@ class CacheMachine(RuleBasedStateMachine):
 
     def live(self) -> list[int]:
         return sorted(self.budget)
+
+    def length(self, sid: int, layer: int) -> int:
+        """Tokens appended (kept holds those a sliding window has not freed)."""
+        return self.cache.seq_len(sid, layer)
+
+    def attended(self, sid: int, layer: int):
+        """The (k, v) decode attends to: all kept tokens, or the window's in the sliding layer."""
+        k, v = self.kept[(sid, layer)]
+        return (k[-WINDOW:], v[-WINDOW:]) if layer == LAYERS - 1 else (k, v)
+
+    def trim(self) -> None:
+        """After a compression: the sliding layer keeps what it has not freed, never a token of the window."""
+        for sid in self.live():
+            n, first = self.length(sid, LAYERS - 1), self.cache.kept_from(sid, LAYERS - 1)
+            assert first % PAGE == 0 and first <= max(0, n - WINDOW), (first, n)
+            k, v = self.kept[(sid, LAYERS - 1)]
+            cut = first - (n - k.shape[0])
+            if cut:
+                event("a sliding window freed pages")
+            self.kept[(sid, LAYERS - 1)] = (k[cut:], v[cut:])
 
     def snapshot(self):
         return self.cache.stats(), self.cache.capacity(16, 16)
@@ -70,7 +93,7 @@ class CacheMachine(RuleBasedStateMachine):
             sids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
             counts = [1] * len(sids)
         k, v = tokens(seed, sum(counts), HEADS, HEAD_DIM, kind)
-        within = all(self.kept[(s, layer)][0].shape[0] + c <= self.budget[s] for s, c in zip(sids, counts))
+        within = all(self.length(s, layer) + c <= self.budget[s] for s, c in zip(sids, counts))
         before = self.snapshot()
         try:
             self.cache.append(layer, sids[0] if prefill else sids, k, v)
@@ -92,11 +115,11 @@ class CacheMachine(RuleBasedStateMachine):
     def step(self, data, seed):
         """A decode step planned once for every layer (prepare_step), each layer's token written with step_append,
         and one layer's attention through the step's page table."""
-        in_sync = [s for s in self.live() if len({self.kept[(s, layer)][0].shape[0] for layer in range(LAYERS)}) == 1]
+        in_sync = [s for s in self.live() if len({self.length(s, layer) for layer in range(LAYERS)}) == 1]
         if not in_sync:
             return
         sids = data.draw(st.lists(st.sampled_from(in_sync), min_size=1, max_size=len(in_sync), unique=True))
-        within = all(self.kept[(s, 0)][0].shape[0] < self.budget[s] for s in sids)
+        within = all(self.length(s, 0) < self.budget[s] for s in sids)
         before = self.snapshot()
         try:
             step = self.cache.prepare_step(sids)
@@ -115,13 +138,13 @@ class CacheMachine(RuleBasedStateMachine):
         finite = [i for i, s in enumerate(sids) if (s, layer) not in self.wild]
         q = torch.randn(len(sids), 2 * HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed)).bfloat16()
         out = self.cache.step_decode(layer, step, q)
-        ref = decode_reference(q, [self.kept[(s, layer)] for s in sids], PAGE)
+        ref = decode_reference(q, [self.attended(s, layer) for s in sids], PAGE)
         for i in finite:
             assert rel_err(out[i], ref[i]) < 1e-2
 
-    def waiting(self) -> tuple[int, int]:
-        """Full pages not yet compressed, and pages of compression rounds not yet placed."""
-        layers = self.cache.stats()["layers"]
+    def waiting(self, layers=slice(None)) -> tuple[int, int]:
+        """Full pages not yet compressed, and pages of compression rounds not yet placed (in ``layers``)."""
+        layers = self.cache.stats()["layers"][layers]
         return sum(x["waiting_full_pages"] for x in layers), sum(x["compressing_pages"] for x in layers)
 
     @rule()
@@ -129,15 +152,19 @@ class CacheMachine(RuleBasedStateMachine):
         """compress_full_pages(wait=False): places the rounds earlier calls started (still their pages: freed ones
         drop out), starts one for every full page, and leaves it in flight; those pages still read raw meanwhile."""
         full, in_flight = self.waiting()
-        assert self.cache.compress_full_pages(wait=False) == in_flight
-        assert self.waiting() == (0, full)
+        # Exactly the rounds in flight are placed, less what the sliding layer frees first.
+        assert in_flight - self.waiting(slice(-1, None))[1] <= self.cache.compress_full_pages(wait=False) <= in_flight
+        self.trim()
+        assert self.waiting()[0] == 0 and self.waiting()[1] <= full  # <: the window freed some
         if full and in_flight:
             event("a round placed while the next starts")
 
     @rule()
     def compress(self):
         full, in_flight = self.waiting()
-        assert self.cache.compress_full_pages() == full + in_flight
+        slid = sum(self.waiting(slice(-1, None)))
+        assert full + in_flight - slid <= self.cache.compress_full_pages() <= full + in_flight  # less what it frees
+        self.trim()
         arena = self.cache._arena
         if any(0 < n < arena.page_bytes and arena.kind[o // arena.chunk_bytes] == 1
                for o, n in zip(arena.offset.flat, arena.nbytes.flat)):
@@ -174,7 +201,7 @@ class CacheMachine(RuleBasedStateMachine):
         sids = data.draw(st.lists(st.sampled_from(finite), min_size=1, max_size=len(finite), unique=True))
         q = torch.randn(len(sids), 2 * HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed)).bfloat16()
         out = self.cache.decode(layer, q, sids)
-        ref = decode_reference(q, [self.kept[(s, layer)] for s in sids], PAGE)
+        ref = decode_reference(q, [self.attended(s, layer) for s in sids], PAGE)
         for b, s in enumerate(sids):
             if self.kept[(s, layer)][0].shape[0] == 0:
                 assert torch.equal(bits(out[b]), bits(torch.zeros_like(out[b])))
