@@ -306,7 +306,7 @@ class Arena:
         the destination is placed, and its slots released, at once: nothing between them could take from the pool,
         so this is the page-at-a-time result at a cost per destination change, not per page."""
         out = np.empty(len(pages), dtype=np.int64)
-        run_end = np.append(_run_starts(layers)[1:], len(pages))[np.cumsum(np.append(0, np.diff(layers) != 0))]
+        run_end = np.searchsorted(layers, layers, side="right")  # the end of each page's layer run
         i = 0
         while i < len(pages):
             layer, d = int(layers[i]), int(self.dest[layers[i]])

@@ -144,7 +144,7 @@ class ZipKVCache(Cache):
         """
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
-        windows = sliding_windows(config)
+        windows = _sliding_windows(config)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -192,8 +192,9 @@ class ZipKVCache(Cache):
         """Host work of one decode step, for every layer: every ``compress_every`` steps, compress the pages filled
         since (after the attention that read them; without waiting for the device, see
         :meth:`~torch_zipkv.CompressedPagedKVCache.compress_full_pages`), then plan where each sequence's next token
-        goes and the page table (:meth:`~torch_zipkv.CompressedPagedKVCache.prepare_step`). A decode step's layer-0 update calls it; call it
-        yourself before a compiled or graph-captured decode step, so the step itself only runs tensor ops."""
+        goes and the page table (:meth:`~torch_zipkv.CompressedPagedKVCache.prepare_step`). A decode step's layer-0
+        update calls it; call it yourself before a compiled or graph-captured decode step, so the step itself only
+        runs tensor ops."""
         if self.seq_ids is None:
             raise RuntimeError("ZipKVCache.begin_step before any prefill")
         if self.steps % self.compress_every == 0:  # never waits for the device: a round is placed a call later
@@ -281,7 +282,7 @@ class ZipKVCache(Cache):
             self.kv.append(layer, sid, key[row][:, keep].transpose(0, 1), value[row][:, keep].transpose(0, 1))
 
 
-def sliding_windows(config) -> list[int | None]:
+def _sliding_windows(config) -> list[int | None]:
     """Each layer's sliding window (tokens attended, the newest included) from a transformers text config: from
     ``layer_types`` where the config has them ("sliding_attention"), else ``sliding_window`` for every layer."""
     window = getattr(config, "sliding_window", None)
