@@ -245,8 +245,8 @@ class ZipKVCache(Cache):
             raise ValueError(f"'zipkv' attention needs a bfloat16 model, got query {query.dtype} and key {key.dtype}")
         if self.kv.sliding_window[layer] != sliding_window:
             # The paged cache frees what lies before its window: it must be the model's, or decode would be wrong.
-            raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, but the cache was built with "
-                             f"{self.kv.sliding_window[layer]}; build it with ZipKVCache.from_model(model, ...)")
+            raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, but the cache was built "
+                             f"with {self.kv.sliding_window[layer]}; build it with ZipKVCache.from_model(model, ...)")
         if query.shape[2] > 1:
             self._prefill(layer, key, value, attention_mask)
             if softcap is not None:  # SDPA cannot cap logits
