@@ -71,12 +71,25 @@ PROMPTS = ["Photosynthesis is the process by which plants",
 
 def test_smollm2_greedy_generate_matches_default(smollm2):
     """model.generate with ZipKVCache + "zipkv" gives transformers' default greedy tokens (64 new, batch of 3
-    left-padded prompts, page 16: prompts and outputs cross pages, full pages compress mid-generation). The only
-    allowed departure is at a bf16 tie: where the default path's two best logits are within bf16 rounding (ties
-    are frequent: logits near 20 have a 0.125 step), any other rounding of the same math can pick the other token,
-    transformers' own eager attention included; from there on the texts differ and are not compared."""
+    left-padded prompts, page 16: prompts and outputs cross pages, full pages compress mid-generation)."""
+    assert_greedy_generate_matches_default(*smollm2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_smollm2_greedy_generate_matches_default_on_cuda(smollm2):
+    """The same on the GPU: the fused CUDA decode kernel against transformers' CUDA SDPA."""
+    import copy
+
     model, tok = smollm2
-    inp = tok(PROMPTS, return_tensors="pt", padding=True)
+    assert_greedy_generate_matches_default(copy.deepcopy(model).cuda(), tok)
+
+
+def assert_greedy_generate_matches_default(model, tok):
+    """Greedy generation from the compressed cache against transformers' default path. The only allowed departure
+    is at a bf16 tie: where the default path's two best logits are within bf16 rounding (ties are frequent: logits
+    near 20 have a 0.125 step), any other rounding of the same math can pick the other token, transformers' own
+    eager attention included; from there on the texts differ and are not compared."""
+    inp = tok(PROMPTS, return_tensors="pt", padding=True).to(model.device)
     L = inp.input_ids.shape[1]
     kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
               return_dict_in_generate=True)

@@ -51,38 +51,93 @@ __device__ __forceinline__ void store_stage_to_block(const uint32_t* stage, uint
   }
 }
 
-__device__ __forceinline__ uint16_t& stage_at(uint32_t* stage, int tok, int dim) {
-  return reinterpret_cast<uint16_t*>(stage + tok * kRowWords)[dim];
+// The lane's 16 positions of a staged block are 8 words (word m = positions 2m, 2m + 1, low half first), and
+// format.h's position order is the mma fragment order, which is ldmatrix's: word m is the lane's fragment of one
+// 8x8 matrix of the stage (K: tokens 8 (m / 4).., dims 8 (m % 4)..; V, transposed: tokens 8 (m % 2).., dims
+// 8 (m / 2)..). So two ldmatrix.x4 (stmatrix.x4 back) move a lane's words, 16 bytes per row address.
+// The stage word this lane addresses in call c (words 4c..4c+3): row r % 8 of matrix j = r / 8.
+__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane) {
+  const int j = lane / 8, r = lane % 8;
+  return is_v ? (8 * (j % 2) + r) * kRowWords + 4 * (2 * c + j / 2) : (8 * c + r) * kRowWords + 4 * j;
 }
 
-// The (tok, dim) of the lane's idx-th value (idx in [0, 16)); inverse of format.h's k_position / v_position.
-__device__ __forceinline__ void lane_value_coords(int is_v, int lane, int idx, int* tok, int* dim) {
-  const int g = lane / 4, t = lane % 4, i = idx % 4, pair = 2 * t + (i / 2) * 8 + i % 2;
-  if (is_v) {
-    *dim = g + 8 * (idx / 4);
-    *tok = pair;
-  } else {
-    *tok = g + 8 * (idx / 8);
-    *dim = 16 * ((idx / 4) % 2) + pair;
+__device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v, int lane, uint32_t w[8]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane)));
+    if (is_v) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[4 * c]), "=r"(w[4 * c + 1]), "=r"(w[4 * c + 2]), "=r"(w[4 * c + 3])
+                   : "r"(a));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[4 * c]), "=r"(w[4 * c + 1]), "=r"(w[4 * c + 2]), "=r"(w[4 * c + 3])
+                   : "r"(a));
+    }
   }
 }
 
-// The lane's 16 values of a staged block, in position order.
-__device__ __forceinline__ void gather_lane_values(const uint32_t* stage, int is_v, int lane, uint16_t v[16]) {
+__device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int lane, const uint32_t w[8]) {
 #pragma unroll
-  for (int idx = 0; idx < 16; ++idx) {
-    int tok, dim;
-    lane_value_coords(is_v, lane, idx, &tok, &dim);
-    v[idx] = reinterpret_cast<const uint16_t*>(stage + tok * kRowWords)[dim];
+  for (int c = 0; c < 2; ++c) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane)));
+    if (is_v) {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a),
+                   "r"(w[4 * c]), "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+                   : "memory");
+    } else {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
+                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+                   : "memory");
+    }
   }
 }
 
-__device__ __forceinline__ void scatter_lane_values(uint32_t* stage, int is_v, int lane, const uint16_t v[16]) {
+// The block's descriptor (format.h descriptor_for) from every lane's words: exponents compared in place (masked,
+// two per word), then one warp-wide min and max.
+__device__ __forceinline__ uint8_t warp_block_descriptor(const uint32_t w[8]) {
+  uint32_t lo = 0xFFFFFFFFu, hi = 0;
 #pragma unroll
-  for (int idx = 0; idx < 16; ++idx) {
-    int tok, dim;
-    lane_value_coords(is_v, lane, idx, &tok, &dim);
-    stage_at(stage, tok, dim) = v[idx];
+  for (int m = 0; m < 8; ++m) {
+    const uint32_t e = w[m] & 0x7F807F80u;
+    lo = __vminu2(lo, e);
+    hi = __vmaxu2(hi, e);
+  }
+  const unsigned emin = __reduce_min_sync(0xffffffffu, min(lo & 0xFFFFu, lo >> 16)) >> 7;
+  const unsigned emax = __reduce_max_sync(0xffffffffu, max(hi & 0xFFFFu, hi >> 16)) >> 7;
+  return descriptor_for(static_cast<int>(emin), static_cast<int>(emax));
+}
+
+// The lane's share of a compressed block (half_base = its descriptor): 16 low bytes, and the code words of its
+// two 8-position groups (format.h encode_group). The code bytes of positions 0..3 are their high bytes minus
+// half_base (byte-wise, with no borrow: each high byte's low 7 bits are >= half_base); those of 4..7 go to bits 4-6
+// (d) and 3 (s).
+__device__ __forceinline__ void encode_lane(const uint32_t w[8], int half_base, uint4* low, uint2* codes) {
+  const uint32_t sub = static_cast<uint32_t>(half_base) * 0x01010101u;
+  uint32_t c[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const uint32_t a = __byte_perm(w[4 * q], w[4 * q + 1], 0x7531) - sub;
+    const uint32_t b = __byte_perm(w[4 * q + 2], w[4 * q + 3], 0x7531) - sub;
+    c[q] = a | ((b << 4) & 0x70707070u) | ((b >> 4) & 0x08080808u);
+  }
+  *low = make_uint4(__byte_perm(w[0], w[1], 0x6420), __byte_perm(w[2], w[3], 0x6420), __byte_perm(w[4], w[5], 0x6420),
+                    __byte_perm(w[6], w[7], 0x6420));
+  *codes = make_uint2(c[0], c[1]);
+}
+
+// Inverse of encode_lane: the lane's 8 words from its 16 low bytes and two code words.
+__device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, int half_base, uint32_t w[8]) {
+  const uint32_t lw[4] = {low.x, low.y, low.z, low.w}, cw[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    uint32_t h[2];
+    decode_high_bytes(cw[q], half_base, &h[0], &h[1]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      w[4 * q + 2 * r] = __byte_perm(lw[2 * q + r], h[r], 0x5140);
+      w[4 * q + 2 * r + 1] = __byte_perm(lw[2 * q + r], h[r], 0x7362);
+    }
   }
 }
 

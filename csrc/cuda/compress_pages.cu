@@ -59,8 +59,10 @@ __device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggr
 }
 
 // One CTA: whole streams, up to kWarps x kMaxBlocksPerWarp blocks. The input goes straight to shared memory with
-// cp.async (all of the CTA's loads in flight at once, no registers held), each warp staging its blocks; the values
-// are read from there twice (exponent range, then encode), which costs shared-memory bandwidth, not HBM.
+// cp.async (all of the CTA's loads in flight at once, no registers held), each warp staging its blocks; a warp reads
+// each block back twice with ldmatrix (exponent range, then encode), which costs shared-memory bandwidth, not HBM.
+// Every per-element step works on packed words (two values, or four bytes, per instruction) and the index
+// arithmetic is done once per block by one lane: the kernel issues few enough instructions to keep up with HBM.
 // Compressing, a CTA learns where its bytes go from the CTAs before it (look-back, in ticket order); storing raw,
 // every size is known, so it goes straight to its place and the last CTA to finish advances the cursor.
 template <int kMaxBlocksPerWarp>
@@ -69,6 +71,7 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
     const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
     int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages, int64_t* __restrict__ cursor, Scratch* scratch,
     int64_t num_streams, int P, int H, int D, int words, int streams_per_cta, unsigned int num_ctas) {
+  static_assert(kMaxBlocksPerWarp <= kWarp, "one lane describes each of a warp's blocks");
   constexpr int kMaxBlocks = kWarps * kMaxBlocksPerWarp;
   extern __shared__ __align__(16) uint32_t stage[];  // [kWarps][kMaxBlocksPerWarp][kStageWords]
   __shared__ uint8_t desc_s[kMaxBlocks];
@@ -87,15 +90,27 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   const int64_t first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
   const int cta_streams = static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
   const int cta_blocks = cta_streams * nb;
+  const int warp_blocks = cta_blocks > warp ? (cta_blocks - warp + kWarps - 1) / kWarps : 0;
   auto stage_of = [&](int k) { return stage + (warp * kMaxBlocksPerWarp + k) * kStageWords; };
 
-  // Load: warp w stages blocks w, w + 8, ...
+  // Lane k describes the warp's block k (block warp + 8 k of the CTA): its stream in the CTA, K or V, and where it
+  // starts in kv. The other lanes take these by shuffle.
+  int my_stream = 0, my_is_v = 0;
+  int64_t my_src = 0;
+  if (lane < warp_blocks) {
+    const int x = warp + kWarps * lane;
+    const int64_t stream = first_stream + x / nb;
+    my_stream = x / nb;
+    my_is_v = static_cast<int>((stream / H) % 2);
+    my_src = natural_block_base(stream, x % nb, P, H, D);
+  }
+  const unsigned v_blocks = __ballot_sync(0xffffffffu, my_is_v);
+
+  // Load.
 #pragma unroll
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-    const int x = warp + kWarps * k;
-    if (x >= cta_blocks) break;
-    cp_async_block_to_stage(kv + natural_block_base(first_stream + x / nb, x % nb, P, H, D),
-                            static_cast<int64_t>(H) * D, stage_of(k), lane);
+    if (k >= warp_blocks) break;
+    cp_async_block_to_stage(kv + __shfl_sync(0xffffffffu, my_src, k), static_cast<int64_t>(H) * D, stage_of(k), lane);
   }
   cp_async_wait_all();
   __syncwarp();
@@ -103,23 +118,14 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   // Descriptors from each block's exponent range.
 #pragma unroll
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-    const int x = warp + kWarps * k;
-    if (x >= cta_blocks) break;
+    if (k >= warp_blocks) break;
     uint8_t desc = kDescRaw;
     if (allow_compress) {
-      uint16_t v[16];
-      gather_lane_values(stage_of(k), ((first_stream + x / nb) / H) % 2, lane, v);
-      int emin = 255, emax = 0;
-#pragma unroll
-      for (int idx = 0; idx < 16; ++idx) emin = min(emin, exponent_of(v[idx])), emax = max(emax, exponent_of(v[idx]));
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) {
-        emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
-        emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
-      }
-      desc = descriptor_for(emin, emax);
+      uint32_t w[8];
+      load_lane_words(stage_of(k), (v_blocks >> k) & 1, lane, w);
+      desc = warp_block_descriptor(w);
     }
-    if (lane == 0) desc_s[x] = desc;
+    if (lane == 0) desc_s[warp + kWarps * k] = desc;
   }
   __syncthreads();
 
@@ -169,27 +175,20 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   // Write: only streams that end within the usable bytes are stored.
 #pragma unroll
   for (int k = 0; k < kMaxBlocksPerWarp; ++k) {
-    const int x = warp + kWarps * k;
-    if (x >= cta_blocks) break;
-    const int s = x / nb;
+    if (k >= warp_blocks) break;
+    const int x = warp + kWarps * k, s = __shfl_sync(0xffffffffu, my_stream, k);
     if (stream_start_s[s + 1] > limit_s) continue;
     uint8_t* dst = data + base_s + block_off_s[x];
     const uint8_t desc = desc_s[x];
-    uint16_t v[16];
-    gather_lane_values(stage_of(k), ((first_stream + s) / H) % 2, lane, v);
+    uint32_t w[8];
+    load_lane_words(stage_of(k), (v_blocks >> k) & 1, lane, w);
     if (desc == kDescRaw) {
-      uint4 r[2];
-      uint16_t* rv = reinterpret_cast<uint16_t*>(r);
-#pragma unroll
-      for (int idx = 0; idx < 16; ++idx) rv[idx] = v[idx];
-      reinterpret_cast<uint4*>(dst)[2 * lane] = r[0];
-      reinterpret_cast<uint4*>(dst)[2 * lane + 1] = r[1];
+      reinterpret_cast<uint4*>(dst)[2 * lane] = make_uint4(w[0], w[1], w[2], w[3]);
+      reinterpret_cast<uint4*>(dst)[2 * lane + 1] = make_uint4(w[4], w[5], w[6], w[7]);
     } else {
       uint4 low;
-      uint8_t* lb = reinterpret_cast<uint8_t*>(&low);
-#pragma unroll
-      for (int idx = 0; idx < 16; ++idx) lb[idx] = static_cast<uint8_t>(v[idx] & 0xFF);
-      const uint2 codes = make_uint2(encode_group(v, desc), encode_group(v + 8, desc));
+      uint2 codes;
+      encode_lane(w, desc, &low, &codes);
       reinterpret_cast<uint4*>(dst)[lane] = low;
       reinterpret_cast<uint2*>(dst + kLowBytes)[lane] = codes;
     }

@@ -1,5 +1,6 @@
-// CUDA kernel of zipkv::decompress_pages: each warp fetches two blocks, rebuilds them in registers, written in natural layout with
-// 16-byte stores. A stream whose meta row is missing or corrupt is never read: its values come back as 0xFFFF (NaN).
+// CUDA kernel of zipkv::decompress_pages: each warp fetches four blocks, rebuilds them in registers and writes them in
+// natural layout with 16-byte stores. A stream whose meta row is missing or corrupt is never read: its values come
+// back as 0xFFFF (NaN).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -13,85 +14,79 @@ namespace {
 
 constexpr int kWarps = 8;
 
-constexpr int kBlocksPerWarp = 2;  // both blocks' loads are issued before either is decoded
-
-// Fetches the lane's bytes of a block stored at src with descriptor desc: raw, its 32 bytes; compressed, its 16 low
-// bytes (r[0]) and 8 code bytes (r[1].x, r[1].y).
-__device__ __forceinline__ void fetch_lane_bytes(const uint8_t* src, uint8_t desc, int lane, uint4 r[2]) {
-  if (desc == kDescRaw) {
-    r[0] = reinterpret_cast<const uint4*>(src)[2 * lane];
-    r[1] = reinterpret_cast<const uint4*>(src)[2 * lane + 1];
-  } else {
-    r[0] = reinterpret_cast<const uint4*>(src)[lane];
-    const uint2 codes = reinterpret_cast<const uint2*>(src + kLowBytes)[lane];
-    r[1] = make_uint4(codes.x, codes.y, 0, 0);
-  }
-}
-
-// The lane's 16 values (position order) from its fetched bytes.
-__device__ __forceinline__ void rebuild_lane_values(const uint4 r[2], uint8_t desc, uint16_t v[16]) {
-  if (desc == kDescRaw) {
-    const uint16_t* rv = reinterpret_cast<const uint16_t*>(r);
-#pragma unroll
-    for (int idx = 0; idx < 16; ++idx) v[idx] = rv[idx];
-    return;
-  }
-  const uint32_t lw[4] = {r[0].x, r[0].y, r[0].z, r[0].w}, cw[2] = {r[1].x, r[1].y};
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    uint32_t h[2];
-    decode_high_bytes(cw[q], desc, &h[0], &h[1]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t lo = (lw[2 * q + j / 4] >> (8 * (j % 4))) & 0xFF, hi = (h[j / 4] >> (8 * (j % 4))) & 0xFF;
-      v[8 * q + j] = static_cast<uint16_t>((hi << 8) | lo);
-    }
-  }
-}
+constexpr int kBlocksPerWarp = 4;  // all blocks' loads are issued before any is decoded
 
 __global__ void __launch_bounds__(kWarps * kWarp, 4) decompress_pages_kernel(
     const uint8_t* __restrict__ data, int64_t data_bytes, const int32_t* __restrict__ meta,
     const int32_t* __restrict__ page_ids, int64_t num_pages, uint16_t* __restrict__ out, int64_t num_blocks, int P,
     int H, int D, int words) {
-  __shared__ uint32_t stage[kWarps][kStageWords];
+  __shared__ __align__(16) uint32_t stage[kWarps][kStageWords];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int nb = blocks_per_stream(P, D);
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kBlocksPerWarp;
-  uint4 bytes[kBlocksPerWarp][2];
-  uint8_t desc[kBlocksPerWarp];
-  bool ok[kBlocksPerWarp];
-#pragma unroll
-  for (int k = 0; k < kBlocksPerWarp; ++k) {
-    const int64_t x = first + k, stream = x / nb;
-    ok[k] = false;
-    if (x >= num_blocks) continue;
+  const int warp_blocks = static_cast<int>(num_blocks - first < kBlocksPerWarp ? num_blocks - first : kBlocksPerWarp);
+
+  // Lane k finds the warp's block k: K or V, where it goes, and (when its meta row is sound) its descriptor and
+  // bytes. The other lanes take these by shuffle.
+  int64_t my_src = -1, my_dst = 0;
+  int my_desc = kDescRaw, my_is_v = 0;
+  if (lane < warp_blocks) {
+    const int64_t x = first + lane, stream = x / nb;
+    const int b = static_cast<int>(x % nb);
+    my_is_v = static_cast<int>((stream / H) % 2);
+    my_dst = natural_block_base(stream, b, P, H, D);
     const int64_t page = page_ids[stream / (2 * H)];
-    if (page < 0 || page >= num_pages) continue;
-    const int32_t* row = meta + ((page * 2 + (stream / H) % 2) * H + stream % H) * words;
-    int64_t start;
-    int nbytes;
-    if (read_stream(row, nb, data_bytes, &start, &nbytes) != kStreamOk) continue;
-    const uint8_t* d = reinterpret_cast<const uint8_t*>(row + 1);
-    const int b = x % nb;
-    desc[k] = d[b];
-    ok[k] = true;
-    fetch_lane_bytes(data + start + block_offset(d, b), desc[k], lane, bytes[k]);
+    if (page >= 0 && page < num_pages) {
+      const int32_t* row = meta + ((page * 2 + my_is_v) * H + stream % H) * words;
+      int64_t start;
+      int nbytes;
+      if (read_stream(row, nb, data_bytes, &start, &nbytes) == kStreamOk) {
+        const uint8_t* d = reinterpret_cast<const uint8_t*>(row + 1);
+        my_desc = d[b];
+        my_src = start + block_offset(d, b);
+      }
+    }
   }
+  const unsigned v_blocks = __ballot_sync(0xffffffffu, my_is_v);
+
+  // Fetch: raw, the lane's 32 bytes; compressed, its 16 low bytes (words 0-3) and 8 code bytes (words 4-5).
+  uint32_t w[kBlocksPerWarp][8];
 #pragma unroll
   for (int k = 0; k < kBlocksPerWarp; ++k) {
-    const int64_t x = first + k, stream = x / nb;
-    if (x >= num_blocks) break;
-    uint16_t v[16];
-    if (ok[k]) {
-      rebuild_lane_values(bytes[k], desc[k], v);
+    if (k >= warp_blocks) break;
+    const int64_t src = __shfl_sync(0xffffffffu, my_src, k);
+    const int desc = __shfl_sync(0xffffffffu, my_desc, k);
+    if (src < 0) continue;
+    const uint4* p = reinterpret_cast<const uint4*>(data + src);
+    uint4 a, b;
+    if (desc == kDescRaw) {
+      a = p[2 * lane];
+      b = p[2 * lane + 1];
     } else {
-#pragma unroll
-      for (int idx = 0; idx < 16; ++idx) v[idx] = 0xFFFF;
+      a = p[lane];
+      const uint2 codes = reinterpret_cast<const uint2*>(data + src + kLowBytes)[lane];
+      b = make_uint4(codes.x, codes.y, 0, 0);
     }
-    scatter_lane_values(stage[warp], (stream / H) % 2, lane, v);
+    w[k][0] = a.x, w[k][1] = a.y, w[k][2] = a.z, w[k][3] = a.w;
+    w[k][4] = b.x, w[k][5] = b.y, w[k][6] = b.z, w[k][7] = b.w;
+  }
+
+  // Rebuild in registers, then through shared memory to natural layout (16-byte stores). An unreadable stream's
+  // values come back as 0xFFFF (NaN).
+#pragma unroll
+  for (int k = 0; k < kBlocksPerWarp; ++k) {
+    if (k >= warp_blocks) break;
+    const int64_t src = __shfl_sync(0xffffffffu, my_src, k), dst = __shfl_sync(0xffffffffu, my_dst, k);
+    const int desc = __shfl_sync(0xffffffffu, my_desc, k);
+    if (src < 0) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) w[k][m] = 0xFFFFFFFFu;
+    } else if (desc != kDescRaw) {
+      decode_lane(make_uint4(w[k][0], w[k][1], w[k][2], w[k][3]), make_uint2(w[k][4], w[k][5]), desc, w[k]);
+    }
+    store_lane_words(stage[warp], (v_blocks >> k) & 1, lane, w[k]);
     __syncwarp();
-    store_stage_to_block(stage[warp], out + natural_block_base(stream, x % nb, P, H, D), static_cast<int64_t>(H) * D,
-                         lane);
+    store_stage_to_block(stage[warp], out + dst, static_cast<int64_t>(H) * D, lane);
     __syncwarp();
   }
 }
