@@ -11,11 +11,13 @@
 // next block (from meta words it started loading a block earlier) into a tile table in shared memory, so issuing a
 // tile is a table read, a ring check and two copies (benchmarks/NOTES.md has the versions and the profile).
 //
-// Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t):
-//   S = Q K^T: M = the GQA group's query rows (row g, and g + 8 when the group exceeds 8), N = 8 tokens, K = 16 dims.
-//     The B operand is K token-major: format.h stores exactly the lane's registers together (K positions).
-//   O = P V:   M = query rows, N = 8 dims, K = 16 tokens; P comes straight from S's accumulators (FlashAttention-2),
-//     the B operand is V dim-major (V positions of format.h).
+// Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t), transposed so that the 16
+// tokens of a tile fill the M dimension and the GQA group (at most 8 heads per N tile) the narrow N dimension: a
+// group of 4 wastes half of N instead of three quarters of M, which halves the tensor-core work per tile.
+//   S^T = K Q^T: M = 16 tokens, N = 8 heads, K = 16 dims. The A operand is K token-major: format.h's K positions
+//     put exactly the lane's A registers together. Q^T (B operand) stays in registers for the whole kernel.
+//   O^T = V^T P^T: M = 16 dims, N = 8 heads, K = 16 tokens. The A operand is V dim-major (format.h's V positions);
+//     P^T is S^T's accumulators in bf16, moved into B-operand order by two movmatrix.trans per tile.
 // A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or 32 bytes (raw); they rebuild into
 // 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes) and 8 byte permutes.
 //
@@ -113,22 +115,27 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 // Orders this thread's earlier generic-proxy shared-memory accesses before later bulk copies into the same bytes.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d[0..1] (row g) and, when kHalves == 2, d[2..3] (row g + 8) += A * B for one m16n8k16 step.
-// With one half the upper rows are zero and their results are discarded, so only 2 accumulators stay live.
-template <int kHalves>
-__device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  if constexpr (kHalves == 2) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    float u0, u1;
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(u0), "=f"(u1)
-        : "r"(a[0]), "r"(0u), "r"(a[2]), "r"(0u), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]), "f"(0.f), "f"(0.f));
-  }
+// d += A * B for one m16n8k16 step (A: rows g, g + 8 of columns 2t.., 2t + 8..; B: column g of rows 2t.., 2t + 8..;
+// d: rows g (d[0], d[1]) and g + 8 (d[2], d[3]) of columns 2t, 2t + 1).
+__device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The transpose of an 8x8 bf16 matrix held as one register per lane (row g, columns 2t, 2t + 1).
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// 2^x by the special-function unit, subnormal results flushed to 0 (softmax weights that small do not count).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -294,10 +301,10 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
-template <int D, int kHalves, int kCtas>
+template <int D, int kHeadTiles, int kCtas>
 __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Params p) {
   using C = Cfg<D, kCtas>;
-  constexpr int kB = C::kBlocks, kSlots = C::kSlots, kAcc = 2 * kHalves;
+  constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int split = blockIdx.x % p.num_splits;
@@ -323,18 +330,17 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   const int tiles_per_page = p.page_size / kTileTokens;
   auto tile_of = [&](int i) { return chunk_begin + warp + i * kWarps; };
 
-  // Q fragments (A operand): row g (and g + 8), dims 16 kc + {2t, 2t+1} and 16 kc + {2t+8, 2t+9}.
-  uint32_t qa[D / 16][4];
+  // Q^T fragments (B operand): head 8 n + g, dims 16 kc + {2t, 2t+1} and 16 kc + {2t+8, 2t+9}.
+  uint32_t qb[kN][D / 16][2];
 #pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) {
+  for (int n = 0; n < kN; ++n)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = g + 8 * (j % 2), dim = 16 * kc + 2 * t + 8 * (j / 2);
-      qa[kc][j] = row < p.group && (kHalves == 2 || j % 2 == 0)
-                      ? *reinterpret_cast<const uint32_t*>(p.q + (qrow0 + row) * D + dim)
-                      : 0u;
-    }
-  }
+    for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int head = 8 * n + g, dim = 16 * kc + 2 * t + 8 * j;
+        qb[n][kc][j] = head < p.group ? *reinterpret_cast<const uint32_t*>(p.q + (qrow0 + head) * D + dim) : 0u;
+      }
 
   uint8_t* ring = smem + warp * C::kRingBytes;
   // Per slot, where lane 0 put its tile in the ring (every lane reads it after the __syncwarp that follows fill).
@@ -385,14 +391,21 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     }
   };
 
-  float o[D / 8][kAcc];
+  // O^T accumulators: o[mt][n] holds dims 16 mt + g (0, 1) and 16 mt + g + 8 (2, 3) of heads 8 n + 2t (0, 2) and
+  // 8 n + 2t + 1 (1, 3). Softmax state per head of the lane: m_run[n][j], l_run[n][j] for head 8 n + 2t + j, l_run
+  // summed over the lane's tokens only (the lanes of a head add up at the end).
+  float o[D / 16][kN][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n)
+  for (int mt = 0; mt < D / 16; ++mt)
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j) o[n][j] = 0.f;
-  float m_run[kHalves], l_run[kHalves];
+    for (int n = 0; n < kN; ++n)
 #pragma unroll
-  for (int r = 0; r < kHalves; ++r) m_run[r] = -INFINITY, l_run[r] = 0.f;
+      for (int j = 0; j < 4; ++j) o[mt][n][j] = 0.f;
+  float m_run[kN][2], l_run[kN][2];
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) m_run[n][j] = -INFINITY, l_run[n][j] = 0.f;
   bool refused = false;  // a block of the request was refused: its out and lse become NaN
 
   if (n_mine > 0) fill(0);
@@ -432,64 +445,71 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     uint32_t kr[kB][8];
     rebuild_blocks(0, kr);
 
-    // S = Q K^T for 16 tokens: s[h][.] holds tokens 8 h + 2t, 8 h + 2t + 1 (row g; then row g + 8). The two halves
-    // of each 32-dim block accumulate separately (two shorter dependent mma chains), summed at the end.
-    float s[2][kAcc], s2[2][kAcc];
+    // S^T = K Q^T for 16 tokens: s[n] holds tokens g (0, 1) and g + 8 (2, 3) of heads 8 n + 2t, 8 n + 2t + 1. The
+    // two 16-dim halves of each 32-dim block accumulate separately (two shorter dependent mma chains). A block's K
+    // words are (token g, g + 8) x (dims 2t.., 2t + 8..) of its two 16-dim halves: words 0, 4, 1, 5 and 2, 6, 3, 7.
+    float s[kN][4], s2[kN][4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int n = 0; n < kN; ++n)
 #pragma unroll
-      for (int j = 0; j < kAcc; ++j) s[h][j] = 0.f, s2[h][j] = 0.f;
+      for (int j = 0; j < 4; ++j) s[n][j] = 0.f, s2[n][j] = 0.f;
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mma<kHalves>(s[h], qa[2 * c], kr[c][4 * h], kr[c][4 * h + 1]);
-        mma<kHalves>(s2[h], qa[2 * c + 1], kr[c][4 * h + 2], kr[c][4 * h + 3]);
+      for (int n = 0; n < kN; ++n) {
+        mma(s[n], kr[c][0], kr[c][4], kr[c][1], kr[c][5], qb[n][2 * c][0], qb[n][2 * c][1]);
+        mma(s2[n], kr[c][2], kr[c][6], kr[c][3], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
       }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) s[h][j] += s2[h][j];
 
-    // Online softmax (base 2), per row half; the 4 lanes of a row (t = 0..3) share its max.
-    uint32_t pa[4];
+    // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its max.
+    const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
+    float x[kN][4];
+    if (p.cap_log2 > 0.f) {
 #pragma unroll
-    for (int r = 0; r < kHalves; ++r) {
-      float mx = -INFINITY;
+      for (int n = 0; n < kN; ++n)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j) x[n][j] = p.cap_log2 * tanhf((s[n][j] + s2[n][j]) * p.scale_cap);
+    } else {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int tok = 8 * h + 2 * t + j;
-          float& x = s[h][2 * r + j];
-          x = p.cap_log2 > 0.f ? p.cap_log2 * tanhf(x * p.scale_cap) : x * p.scale_log2;
-          x = tok >= lo && tok < valid ? x : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: avoid (-inf) - (-inf)
-      const float alpha = exp2f(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.f;
+      for (int n = 0; n < kN; ++n)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          s[h][2 * r + j] = exp2f(s[h][2 * r + j] - m_use);
-          sum += s[h][2 * r + j];
-        }
-      l_run[r] = l_run[r] * alpha + sum;
-      if (__any_sync(0xFFFFFFFFu, alpha != 1.f)) {  // once the max settles, most tiles move no row max
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
-      }
-      pa[r] = pack_bf16(s[0][2 * r], s[0][2 * r + 1]);      // row g (+8 r), tokens 2t, 2t + 1
-      pa[r + 2] = pack_bf16(s[1][2 * r], s[1][2 * r + 1]);  // tokens 2t + 8, 2t + 9
+        for (int j = 0; j < 4; ++j) x[n][j] = (s[n][j] + s2[n][j]) * p.scale_log2;
     }
-    if constexpr (kHalves == 1) pa[1] = pa[3] = 0u;
+    uint32_t pb[kN][2];
+    float alpha[kN][2];
+    bool moved = false;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        x[n][j] = keep_lo ? x[n][j] : -INFINITY;
+        x[n][2 + j] = keep_hi ? x[n][2 + j] : -INFINITY;
+        float mx = fmaxf(x[n][j], x[n][2 + j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+        const float m_new = fmaxf(m_run[n][j], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: avoid (-inf) - (-inf)
+        alpha[n][j] = m_new == m_run[n][j] ? 1.f : exp2_approx(m_run[n][j] - m_use);
+        moved |= m_new != m_run[n][j];
+        m_run[n][j] = m_new;
+        x[n][j] = exp2_approx(x[n][j] - m_use);
+        x[n][2 + j] = exp2_approx(x[n][2 + j] - m_use);
+        l_run[n][j] = l_run[n][j] * alpha[n][j] + x[n][j] + x[n][2 + j];
+      }
+      // P^T for the PV product: tokens 2t, 2t + 1 (then 2t + 8, 2t + 9) of head 8 n + g.
+      pb[n][0] = transpose8x8(pack_bf16(x[n][0], x[n][1]));
+      pb[n][1] = transpose8x8(pack_bf16(x[n][2], x[n][3]));
+    }
+    if (__any_sync(0xFFFFFFFFu, moved)) {  // once the max settles, most tiles move no head's max
+#pragma unroll
+      for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
+    }
 
     uint32_t vr[kB][8];
     rebuild_blocks(kB, vr);
@@ -507,36 +527,43 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
 #pragma unroll
         for (int j = 0; j < 8; ++j) vr[c][j] &= vmask[j % 2];
     }
-    // O += P V: block c's lane registers 2 n and 2 n + 1 are dims 32 c + 8 n + g, tokens {2t, 2t+1} and {2t+8, 2t+9}.
+    // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are dims 32 c + 16 h + g (then + 8) of tokens 2t.. (even
+    // words) and 2t + 8.. (odd words): the A registers of the 16-dim tile 2 c + h are words 0, 2, 1, 3 of the four.
 #pragma unroll
     for (int c = 0; c < kB; ++c)
 #pragma unroll
-      for (int n = 0; n < 4; ++n) mma<kHalves>(o[4 * c + n], pa, vr[c][2 * n], vr[c][2 * n + 1]);
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+          mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 2], vr[c][4 * h + 1], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
     tail_pos = start + off;  // off is the tile's size
     __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
     fill(i + 1);
     __syncwarp();            // lane 0's slot records are visible to the warp
   }
 
-  // Merge the warps' states (the pipeline buffers are free now): per row, m and l, and the unnormalised O.
+  // Merge the warps' states (the pipeline buffers are free now): per head, m and l, and the unnormalised O.
 #pragma unroll
-  for (int r = 0; r < kHalves; ++r) {
-    l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 2);
-    if (refused) l_run[r] = __int_as_float(0x7FFFFFFF);
-  }
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int o2 = 4; o2 < 32; o2 *= 2) l_run[n][j] += __shfl_xor_sync(0xFFFFFFFFu, l_run[n][j], o2);
+      if (refused) l_run[n][j] = __int_as_float(0x7FFFFFFF);
+    }
   __syncthreads();
   float* ow = reinterpret_cast<float*>(smem);  // [kWarps][16][D]
   float* ml = ow + kWarps * 16 * D;            // [kWarps][16][2]
 #pragma unroll
-  for (int r = 0; r < kHalves; ++r) {
-    const int row = g + 8 * r;
-    float* dst = ow + (warp * 16 + row) * D;
+  for (int n = 0; n < kN; ++n)
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
-    if (t == 0) ml[(warp * 16 + row) * 2] = m_run[r], ml[(warp * 16 + row) * 2 + 1] = l_run[r];
-  }
+    for (int j = 0; j < 2; ++j) {
+      const int row = 8 * n + 2 * t + j;
+      float* dst = ow + (warp * 16 + row) * D + g;
+#pragma unroll
+      for (int mt = 0; mt < D / 16; ++mt) dst[16 * mt] = o[mt][n][j], dst[16 * mt + 8] = o[mt][n][2 + j];
+      if (g == 0) ml[(warp * 16 + row) * 2] = m_run[n][j], ml[(warp * 16 + row) * 2 + 1] = l_run[n][j];
+    }
   __syncthreads();
 
   const float nan = __int_as_float(0x7FFFFFFF);

@@ -8,41 +8,42 @@
 
 namespace zipkv::cuda::decode {
 
-template <int D, int kHalves, int kCtas>
+template <int D, int kHeadTiles, int kCtas>
 void set_smem_limit() {
   // Once per instantiation, outside any graph capture in practice (the first call of a program runs eagerly).
   static const bool done = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHalves, kCtas>,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<D, kCtas>::kSmemBytes));
     return true;
   }();
   (void)done;
 }
 
-template <int D, int kHalves, int kCtas>
+template <int D, int kHeadTiles, int kCtas>
 int occupancy() {
   // Once per instantiation, like the shared-memory limit it depends on.
   static const int n = [] {
-    set_smem_limit<D, kHalves, kCtas>();
+    set_smem_limit<D, kHeadTiles, kCtas>();
     int ctas = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, kHalves, kCtas>,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, kHeadTiles, kCtas>,
                                                                  kThreads, Cfg<D, kCtas>::kSmemBytes));
     return ctas;
   }();
   return n;
 }
 
-template <int D, int kHalves, int kCtas>
+template <int D, int kHeadTiles, int kCtas>
 void launch_kernel(const Params& p, cudaStream_t stream) {
-  set_smem_limit<D, kHalves, kCtas>();
+  set_smem_limit<D, kHeadTiles, kCtas>();
   const unsigned int ctas = static_cast<unsigned int>(int64_t{p.batch} * p.H * p.num_splits);
-  paged_decode_kernel<D, kHalves, kCtas><<<ctas, kThreads, Cfg<D, kCtas>::kSmemBytes, stream>>>(p);
+  paged_decode_kernel<D, kHeadTiles, kCtas><<<ctas, kThreads, Cfg<D, kCtas>::kSmemBytes, stream>>>(p);
 }
 
-// The variant serving a head_dim and group: kHalves = 2 when the group spans both row halves of the MMA, and the
-// residency (CTAs per SM) each variant's registers allow (d 128: 162 registers -> 3, 189 with two halves -> 2;
-// d 64: <= 123 -> 4; d 256: 255 -> 1). benchmarks/NOTES.md (v7) measured 3 against 2 and 4 against 3.
-// Calls f.template operator()<kHalves, kCtas>().
+// The variant serving a head_dim and group: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N tiles), and the
+// residency (CTAs per SM) each variant's registers allow (d 128: 147 registers -> 3, 208 with two head tiles -> 2;
+// d 64: <= 124 -> 4; d 256: 251 -> 1). benchmarks/NOTES.md (v7) measured 3 against 2 and 4 against 3; d 128 at 4
+// would leave a warp's ring too small for two raw tiles.
+// Calls f.template operator()<kHeadTiles, kCtas>().
 template <int D, typename F>
 auto dispatch(int group, F&& f) {
   constexpr int kOne = D == 64 ? 4 : D == 128 ? 3 : 1, kTwo = D == 64 ? 4 : D == 128 ? 2 : 1;
@@ -51,12 +52,12 @@ auto dispatch(int group, F&& f) {
 
 template <int D>
 int ctas_per_sm(int group) {
-  return dispatch<D>(group, []<int kHalves, int kCtas>() { return occupancy<D, kHalves, kCtas>(); });
+  return dispatch<D>(group, []<int kHeadTiles, int kCtas>() { return occupancy<D, kHeadTiles, kCtas>(); });
 }
 
 template <int D>
 void launch(const Params& p, cudaStream_t stream) {
-  dispatch<D>(p.group, [&]<int kHalves, int kCtas>() { launch_kernel<D, kHalves, kCtas>(p, stream); });
+  dispatch<D>(p.group, [&]<int kHeadTiles, int kCtas>() { launch_kernel<D, kHeadTiles, kCtas>(p, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
     merge_splits_kernel<D><<<static_cast<unsigned int>(int64_t{p.batch} * p.Hq), D, 0, stream>>>(p);
