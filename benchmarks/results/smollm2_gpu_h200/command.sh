@@ -1,3 +1,6 @@
+# Two back-to-back box calls (the GGUF is carried in two halves, reassembled on the box):
+#   bash .box/run16.sh   (build; park the first half in /tmp)
+#   bash .box/run13.sh   (below)
 #!/usr/bin/env bash
 # Session 10 run 2 (right after run 1, same warm machine): SmolLM2 from the GGUF (reassembled from two carried halves)
 # on the GPU: greedy generate vs transformers' default, teacher-forced logits, and the README demo.
