@@ -1,5 +1,6 @@
 // Warp-level movement of one block (16 tokens x 32 dims of one stream) between a page in natural layout and the
-// lane-owned position order of format.h: lane L owns positions [16 L, 16 L + 16). Shared by the storage kernels.
+// lane-owned position order of format.h: lane L owns positions [16 L, 16 L + 16), and the packed-word encode and
+// decode of those positions. Shared by the storage kernels; the decode kernel rebuilds with decode_lane.
 #pragma once
 
 #include <cuda_bf16.h>

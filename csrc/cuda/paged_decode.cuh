@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "../format.h"
+#include "block_io.cuh"
 
 namespace zipkv::cuda::decode {
 
@@ -150,20 +151,10 @@ __device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
 
 // ---------------------------------------------------------------------------------------------- block rebuild
 // The lane's 16 values of a block (at `block` in shared memory, stored as in global memory) as 8 bf16x2 registers
-// in position order: raw, its 32 bytes at 32 lane; compressed, 16 low bytes at 16 lane and 8 code bytes at
-// 512 + 8 lane (both conflict-free).
+// in position order: compressed, from 16 low bytes at 16 lane and 8 code bytes at 512 + 8 lane (both conflict-free).
 __device__ __forceinline__ void rebuild_compressed(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
-  const uint4 lo = *reinterpret_cast<const uint4*>(block + 16 * lane);
-  const uint2 cw = *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane);
-  uint32_t h[4];
-  decode_high_bytes(cw.x, desc, &h[0], &h[1]);
-  decode_high_bytes(cw.y, desc, &h[2], &h[3]);
-  const uint32_t l[4] = {lo.x, lo.y, lo.z, lo.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // bytes (lo0, hi0, lo1, hi1) and (lo2, hi2, lo3, hi3)
-    r[2 * j] = __byte_perm(l[j], h[j], 0x5140);
-    r[2 * j + 1] = __byte_perm(l[j], h[j], 0x7362);
-  }
+  decode_lane(*reinterpret_cast<const uint4*>(block + 16 * lane),
+              *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane), desc, r);
 }
 
 // Either kind of block, without a branch (raw and compressed blocks mix in real KV): three loads at addresses chosen
