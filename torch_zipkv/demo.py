@@ -123,6 +123,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.new_tokens < 1:
         parser.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device")
     generate_demo(args.new_tokens, torch.device(args.device))
     if args.tokens:
         roundtrip_demo(args.tokens)
