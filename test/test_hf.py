@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -78,8 +80,6 @@ def test_smollm2_greedy_generate_matches_default(smollm2):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_smollm2_greedy_generate_matches_default_on_cuda(smollm2):
     """The same on the GPU: the fused CUDA decode kernel against transformers' CUDA SDPA."""
-    import copy
-
     model, tok = smollm2
     assert_greedy_generate_matches_default(copy.deepcopy(model).cuda(), tok)
 

@@ -349,12 +349,9 @@ class CompressedPagedKVCache:
         seq = self._seq(seq_id)
         for layer in range(self.num_layers):
             pages = -(-int(self._len[seq.row, layer]) // self.page_size)
-            self._arena.remove(layer, seq.pages[:pages])
+            self._forget_pages(layer, seq.pages[:pages])
             self._arena.reserved[layer] -= max(0, seq.budget - pages)
-            for p in seq.pages[:pages].tolist():
-                self._full[layer].pop(p, None)
         ids = seq.pages[: seq.num_ids]
-        self._round_of[:, ids] = -1
         ids_t, zero = self._upload(ids, self._arena.take_dirty())
         self._meta[:, ids_t] = fmt.NO_STREAM  # stale ids now fail loudly
         self._zero_pages(zero)
@@ -543,6 +540,14 @@ class CompressedPagedKVCache:
             self._apply(lambda layer: self._arena.drain_slots(layer, slack=1), spare)
         return placed
 
+    def _forget_pages(self, layer: int, pages: np.ndarray) -> None:
+        """Free ``layer``'s ``pages`` in the arena and drop them from the full pages waiting for compression and from
+        any round in flight (which then skips them, even if their ids are reused meanwhile)."""
+        self._arena.remove(layer, pages)
+        for p in pages.tolist():
+            self._full[layer].pop(p, None)
+        self._round_of[layer, pages] = -1
+
     def _free_out_of_window(self) -> None:
         """Free, in every sliding-window layer, each sequence's pages that end before its window: the decode of this
         and every later step attends to the last ``window`` tokens only and skips them."""
@@ -558,10 +563,7 @@ class CompressedPagedKVCache:
         layers, pids = [], []
         for i, w in todo.tolist():
             layer, pages = int(self._windowed[w]), seqs[i].pages[dropped[i, w]: keep[i, w]]
-            self._arena.remove(layer, pages)
-            for p in pages.tolist():
-                self._full[layer].pop(p, None)
-            self._round_of[layer, pages] = -1
+            self._forget_pages(layer, pages)
             layers.append(np.full(len(pages), layer))
             pids.append(pages)
             self._dropped[rows[i], layer] = keep[i, w]

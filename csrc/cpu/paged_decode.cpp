@@ -91,9 +91,9 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
             mx = std::max(mx, s[t]);
           }
           // mx is finite here unless every score is -inf/NaN; exp(-inf - -inf) would be NaN, so guard it.
-          const float scale = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
-          l[g] *= scale;
-          for (int d = 0; d < D; ++d) acc[g * D + d] *= scale;
+          const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - mx);
+          l[g] *= alpha;
+          for (int d = 0; d < D; ++d) acc[g * D + d] *= alpha;
           for (int t = lo; t < len; ++t) {
             const float p = std::exp(s[t] - mx);
             l[g] += p;
