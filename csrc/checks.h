@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <utility>
 
 #include "format.h"
 
@@ -120,6 +121,10 @@ inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const
   check_tensor(out, op, "out", at::kBFloat16, 3, device);
   TORCH_CHECK(out.sizes() == q.sizes(), "zipkv.paged_decode: out must have q's shape ", q.sizes(), ", got ",
               out.sizes());
+  // The CUDA kernels move q and out in 4- to 16-byte words.
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"out", &out}})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "zipkv.paged_decode: ", name,
+                " must start at a 16-byte aligned address (a fresh tensor, not an odd slice)");
   if (lse.has_value()) {
     check_tensor(*lse, op, "lse", at::kFloat, 2, device);
     TORCH_CHECK(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [", batch,

@@ -107,6 +107,11 @@ def test_decode_rejects_bad_q_out_lse(setup):
         decode(q, ckv, indptr, indices, last, out=torch.empty(2, 4, 32, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="lse must be"):
         decode(q, ckv, indptr, indices, last, lse=torch.empty(2, 3))
+    odd = torch.empty(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)  # contiguous, 2 bytes off
+    with pytest.raises(RuntimeError, match="q must start at a 16-byte aligned address"):
+        decode(odd.copy_(q), ckv, indptr, indices, last)
+    with pytest.raises(RuntimeError, match="out must start at a 16-byte aligned address"):
+        decode(q, ckv, indptr, indices, last, out=odd)
     with pytest.raises(RuntimeError, match="kv_indptr must be on cpu"):
         decode(q, ckv, indptr.to("meta"), indices, last)
 

@@ -17,7 +17,6 @@ namespace zipkv::cuda {
 namespace {
 
 constexpr int kMinTilesPerSplit = 2 * decode::kWarps;  // below this a split's pipeline is mostly prologue
-constexpr int kMaxSplits = 64;
 // The plan's cost model, in tiles: a CTA costs its tiles plus a fixed start/finish (pipeline fill, the warps' merge,
 // the epilogue); a split plan adds the merge kernel. Splitting must save 5% over no split, and of the split counts
 // within 3% of the best the fewest win (the model is no finer than that).
@@ -55,7 +54,7 @@ int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_siz
   if (window_left >= 0) avg_tiles = std::min(avg_tiles, static_cast<double>(window_left / kTileTokens + 2));
   auto cost = [&](int s) { return cta_times(ctas * s) * (avg_tiles / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0); };
   int max_splits = 1;
-  while (max_splits < kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerSplit) ++max_splits;
+  while (max_splits < decode::kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerSplit) ++max_splits;
   double least = cost(1);
   for (int s = 2; s <= max_splits; ++s) least = std::min(least, cost(s));
   if (cost(1) <= (1.0 + kSplitGain) * least) return 1;
@@ -74,7 +73,8 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
   if (batch == 0 || q.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const int D = q.size(2), H = meta.size(2), Hq = q.size(1);
-  TORCH_CHECK(batch * H * kMaxSplits < (int64_t{1} << 31), "zipkv.paged_decode: batch x num_kv_heads too large");
+  TORCH_CHECK(batch * H * decode::kMaxSplits < (int64_t{1} << 31),
+              "zipkv.paged_decode: batch x num_kv_heads too large");
 
   decode::Params p{};
   p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());

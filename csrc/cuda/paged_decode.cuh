@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../format.h"
 #include "block_io.cuh"
@@ -37,6 +38,8 @@ namespace zipkv::cuda::decode {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
+constexpr int kMergeRows = 8;  // query rows (one warp each) per CTA of the split merge
+constexpr int kMaxSplits = 64;  // the merge's lanes hold two splits each
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block was not copied; the request becomes NaN
 
@@ -298,6 +301,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // The split merge (a programmatic dependent launch) may be scheduled once every CTA of this grid has started; it
+  // waits for this grid's results itself.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int split = blockIdx.x % p.num_splits;
   const int head = (blockIdx.x / p.num_splits) % p.H;
   const int b = blockIdx.x / (p.num_splits * p.H);
@@ -588,33 +594,66 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   }
 }
 
-// Combines the splits of each query row: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
+// Combines the splits of each query row: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). One warp
+// per row: lane s holds split s's lse (and split s + 32's), so a row costs two round trips to L2 (all lse, then all
+// partial O, loads unrolled) instead of two per split; each lane owns D / 32 consecutive dims (vector loads).
+// Launched as a programmatic dependent of the decode kernel: its CTAs are scheduled while the decode grid's last
+// CTAs still run, and wait here for the partial results.
 template <int D>
-__global__ void __launch_bounds__(D) merge_splits_kernel(const Params p) {
-  const int64_t row = blockIdx.x, rows = static_cast<int64_t>(p.batch) * p.Hq;
-  const int dim = threadIdx.x;
-  float m = -INFINITY;
-  bool nan = false;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float x = p.part_lse[s * rows + row];
-    nan |= x != x;
-    m = fmaxf(m, x);
+__global__ void __launch_bounds__(32 * kMergeRows) merge_splits_kernel(const Params p) {
+  constexpr int kV = D / 32;  // dims per lane: 2, 4 or 8
+  using Vec = std::conditional_t<kV == 2, float2, float4>;
+  constexpr int kVecs = kV * 4 / static_cast<int>(sizeof(Vec));
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.Hq;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRows + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32;
+  float x[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int s = lane + 32 * j;
+    x[j] = s < p.num_splits ? __ldg(p.part_lse + s * rows + row) : -INFINITY;
   }
-  float l = 0.f, acc = 0.f;
-  if (m != -INFINITY && !nan) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float x = p.part_lse[s * rows + row];
-      if (x == -INFINITY) continue;  // an empty split: its partial O was never written
-      const float f = exp2f(x - m);
-      l += f;
-      acc += f * p.part_o[(s * rows + row) * D + dim];
+  const bool nan = __any_sync(0xFFFFFFFFu, x[0] != x[0] || x[1] != x[1]);
+  float m = fmaxf(x[0], x[1]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  float w[2], l = 0.f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {  // an empty split (lse -inf) weighs 0: its partial O was never written
+    w[j] = nan || x[j] == -INFINITY ? 0.f : exp2f(x[j] - m);
+    l += w[j];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xFFFFFFFFu, l, o);
+  float acc[kV] = {};
+#pragma unroll 4
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float ws = __shfl_sync(0xFFFFFFFFu, s < 32 ? w[0] : w[1], s % 32);
+    const Vec* src = reinterpret_cast<const Vec*>(p.part_o + (s * rows + row) * D + lane * kV);
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const Vec val = __ldg(src + v);
+      const float* f = reinterpret_cast<const float*>(&val);
+#pragma unroll
+      for (int e = 0; e < static_cast<int>(sizeof(Vec)) / 4; ++e)
+        acc[v * sizeof(Vec) / 4 + e] += ws == 0.f ? 0.f : ws * f[e];  // never 0 * (unwritten bytes)
     }
   }
   const float qnan = __int_as_float(0x7FFFFFFF);
-  const float val = nan ? qnan : l == 0.f ? 0.f : acc / l;
-  const __nv_bfloat16 v = __float2bfloat16_rn(val);
-  p.out[row * D + dim] = *reinterpret_cast<const uint16_t*>(&v);
-  if (p.lse != nullptr && dim == 0) p.lse[row] = nan ? qnan : l == 0.f ? -INFINITY : (m + log2f(l)) / kLog2e;
+  uint32_t packed[kV / 2];
+#pragma unroll
+  for (int e = 0; e < kV / 2; ++e) {
+    const float a = nan ? qnan : l == 0.f ? 0.f : acc[2 * e] / l, b = nan ? qnan : l == 0.f ? 0.f : acc[2 * e + 1] / l;
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    packed[e] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  uint16_t* dst = p.out + row * D + lane * kV;
+  if constexpr (kV == 2) *reinterpret_cast<uint32_t*>(dst) = packed[0];
+  else if constexpr (kV == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+  else *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  if (p.lse != nullptr && lane == 0) p.lse[row] = nan ? qnan : l == 0.f ? -INFINITY : (m + log2f(l)) / kLog2e;
 }
 
 // Host side, one instantiation per head_dim (paged_decode_hd*.cu): occupancy of the kernel, and the launches.

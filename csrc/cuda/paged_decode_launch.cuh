@@ -60,8 +60,17 @@ void launch(const Params& p, cudaStream_t stream) {
   dispatch<D>(p.group, [&]<int kHeadTiles, int kCtas>() { launch_kernel<D, kHeadTiles, kCtas>(p, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
-    merge_splits_kernel<D><<<static_cast<unsigned int>(int64_t{p.batch} * p.Hq), D, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // Programmatic dependent launch: the merge's CTAs start while the decode grid drains (launch latency hidden).
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned int>((int64_t{p.batch} * p.Hq + kMergeRows - 1) / kMergeRows));
+    cfg.blockDim = dim3(32 * kMergeRows);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_splits_kernel<D>, p));
   }
 }
 
