@@ -4,8 +4,8 @@ FlashInfer 0.6.12 (CUDA-core and tensor-core decode) and torch SDPA on contiguou
     python benchmarks/bench_decode.py --out DIR [--iters 100] [--quick]
 
 Method (DESIGN.md §5): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
-KV per request, pages in random order, L2 flushed before every timed call, median of --iters CUDA-event timings;
-context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64). Data:
+KV per request, pages in random order, L2 flushed before every timed call (by reading a 256 MB buffer), median of
+--iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64). Data:
 - random:    Gaussian BF16 pages with magnitudes below 2^-8 lifted to +-2^-8, so that every block compresses (the
              issue's "all blocks compressible" case; plain randn leaves ~5% of blocks raw, from rare tiny values).
 - real-like: every 16 x 64 K or V stream drawn from SmolLM2-135M's real cache (model package or $ZIPKV_REAL_KV),
@@ -38,11 +38,19 @@ SMOLLM2 = dict(name="smollm2", Hq=9, Hkv=3, D=64)
 PAGE = 16
 
 
-def time_cuda(fn, iters: int, flush: torch.Tensor) -> float:
-    """Median µs of fn() over iters calls, L2 flushed (untimed) before each."""
+def time_cuda(fn, iters: int, flush: torch.Tensor, write_flush: bool = False) -> float:
+    """Median µs of fn() over iters calls, L2 flushed (untimed) before each.
+
+    The flush reads a buffer 5x the L2, which leaves L2 holding only clean lines. A flush that writes the buffer
+    (zero_(), Triton's do_bench habit) leaves ~50 MB of dirty lines whose write-back then runs inside the timed call:
+    15-50 µs of DRAM time, varying between runs (benchmarks/NOTES.md, v10). --write-flush keeps that method.
+    """
     times = []
     for i in range(iters + 3):
-        flush.zero_()
+        if write_flush:
+            flush.zero_()
+        else:
+            flush.max()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -118,7 +126,8 @@ def flashinfer_wrappers(indptr, indices, last, shape, device):
     return out, flashinfer.__version__
 
 
-def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen, flashinfer: bool) -> dict:
+def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen, flashinfer: bool,
+             write_flush: bool = False) -> dict:
     device = "cuda"
     Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
     pages_per_req = ctx // PAGE
@@ -135,7 +144,7 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     results = {}
 
     def record(name, fn, nbytes, extra=None):
-        us = time_cuda(fn, iters, flush)
+        us = time_cuda(fn, iters, flush, write_flush)
         results[name] = {"us": us, "bytes_read": nbytes, "TBps": nbytes / us / 1e6, "raw_TBps": raw_bytes / us / 1e6,
                          **(extra or {})}
 
@@ -200,12 +209,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two cases only")
     parser.add_argument("--cases", help="instead of the grid: shape:context:batch,... (shape llama or smollm2)")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer baseline (JIT-compiles)")
+    parser.add_argument("--write-flush", action="store_true", help="flush L2 by writing (leaves dirty lines)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode: no GPU, nothing to measure")
         return
     gen = torch.Generator().manual_seed(0)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > 60 MB L2
+    flush = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # 5x the 50 MB L2
     streams = real_streams("cuda")
     cases = [(LLAMA, c, b) for c in (2048, 8192) for b in (32, 64, 96)] + [(SMOLLM2, 8192, 64)]
     if args.quick:
@@ -219,7 +229,7 @@ def main() -> None:
         " | speedup rnd/real/raw"
     print(hdr)
     for shape, ctx, batch in cases:
-        row = run_case(shape, ctx, batch, args.iters, streams, flush, gen, not args.no_flashinfer)
+        row = run_case(shape, ctx, batch, args.iters, streams, flush, gen, not args.no_flashinfer, args.write_flush)
         rows.append(row)
         r = row["results"]
         cell = lambda n: f"{r[n]['us']:8.1f} µs" if n in r else f"{'-':>11}"  # noqa: E731
@@ -228,14 +238,15 @@ def main() -> None:
             "zipkv_random", "zipkv_real_like", "zipkv_raw", "flashinfer_cc", "flashinfer_tc", "sdpa_contiguous")) +
             f" | {sp('zipkv_random')}/{sp('zipkv_real_like')}/{sp('zipkv_raw')}", flush=True)
         torch.cuda.empty_cache()
+    flush_how = "writing 256 MB (dirty lines)" if args.write_flush else "reading 256 MB (clean lines)"
     result = {
         "benchmark": "bench_decode",
         "command": "python " + " ".join(sys.argv),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "iters": args.iters,
-        "method": "median of CUDA-event timings, L2 flushed before each call, separate KV per request, random page "
-                  "order, page 16",
+        "method": f"median of CUDA-event timings, L2 flushed before each call by {flush_how}, separate KV per "
+                  "request, random page order, page 16",
         "cases": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
