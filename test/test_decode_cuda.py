@@ -91,9 +91,12 @@ def test_all_raw_and_all_compressed_give_identical_bits(gen):
 
 
 @pytest.mark.parametrize("batch, heads, seq", [(1, 1, 9000), (2, 2, 5000), (3, 8, 2051), (400, 2, 40)])
-def test_split_and_unsplit_plans(gen, batch, heads, seq):
-    """Few long requests are split across CTAs and merged; many short ones run one CTA per (request, head)."""
-    P, D = 16, 128
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_split_and_unsplit_plans(gen, batch, heads, seq, D):
+    """Few long requests are split across CTAs and merged (the first two cases into more than 32 splits: the merge's
+    lanes then hold two splits each; every head_dim: its own vector width in the merge); many short ones run one CTA
+    per (request, head)."""
+    P = 16
     lens = [seq - 7 * (b % 5) for b in range(batch)]
     n = sum((x + P - 1) // P for x in lens)
     kv = with_zeros(random_kv(n, P, heads, D, gen), gen)
