@@ -162,7 +162,8 @@ __device__ __forceinline__ void rebuild_compressed(const uint8_t* block, uint8_t
 
 // Either kind of block, without a branch (raw and compressed blocks mix in real KV): three loads at addresses chosen
 // by the kind, then both rebuilds and a select. A refused block (kDescBad) reads whatever is there; the caller turns
-// the request's result into NaN.
+// the request's result into NaN. The compressed rebuild is decode_lane's, written out with the select per word pair:
+// calling decode_lane and selecting afterwards keeps both 8-word sets live (d 128: 147 -> 155 registers).
 __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
   const bool raw = desc == kDescRaw;
   const uint4 a = *reinterpret_cast<const uint4*>(block + (raw ? 32 * lane : 16 * lane));
