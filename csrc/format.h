@@ -1,4 +1,4 @@
-// The torch_zipkv on-device format, version 1 (docs/FORMAT.md is the prose version of this file).
+// The torch_zipkv on-device format, version 2 (docs/FORMAT.md is the prose version of this file).
 //
 // Everything that decides where a byte lives is here, as inline functions shared by the CPU (.cpp) and CUDA (.cu)
 // kernels, so both produce the same bytes by construction.
@@ -10,7 +10,8 @@
 //   Blocks of a stream are ordered tile-major: block = (token / 16) * (head_dim / 32) + dim / 32.
 //
 // A block is stored either
-//   raw        1024 bytes: the 512 BF16 values (little-endian) in block position order, or
+//   raw        1024 bytes: the 512 BF16 values (little-endian) in two halves of 512 bytes: the first 8 positions of
+//              each lane's 16 (see below) at 16 lane, its last 8 at 512 + 16 lane (raw_index), or
 //   compressed  768 bytes: 512 low bytes (position order), then 256 bytes of codes (4 bytes per 8 positions).
 // BF16 = s | e (8 bits) | f (7 bits). low byte = lowest exponent bit + f, kept verbatim. With the block base
 // b = (min e) & ~1, a block compresses iff every e <= b + 15; then d = (e - b) >> 1 (3 bits) and the high byte is
@@ -31,6 +32,9 @@
 //     with g = dim % 8, t = (tok % 8) / 2, i = 2 (tok / 8) + tok % 2.
 //   (tok in [0, 16) within the tile, dim in [0, 32) within the block.) Consecutive position pairs (2i, 2i+1) are the
 //   two halves of one bf16x2 register, low half first.
+// A raw block keeps the lane's 32 bytes in two 16-byte pieces 512 bytes apart (format version 2; version 1 kept them
+// together): each piece is then one conflict-free 16-byte shared-memory load per lane (32 bytes at a 32-byte stride
+// cost a warp 3x the shared-memory wavefronts), and the first piece sits where a compressed block's low bytes sit.
 //
 // Metadata: int32 meta[num_pages][2][num_kv_heads][meta_words], one row per stream.
 //   word 0: stream start in data, in units of 256 bytes (every block size is a multiple of 256), or -1 = no stream.
@@ -49,7 +53,7 @@
 
 namespace zipkv {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
 constexpr int kTileTokens = 16;
 constexpr int kBlockDims = 32;
 constexpr int kBlockValues = kTileTokens * kBlockDims;  // 512
@@ -57,6 +61,7 @@ constexpr int kLowBytes = kBlockValues;                  // low bytes come first
 constexpr int kCodeBytes = kBlockValues / 2;             // 12 bits per value in all
 constexpr int kCompBlockBytes = kLowBytes + kCodeBytes;  // 768
 constexpr int kRawBlockBytes = 2 * kBlockValues;         // 1024
+constexpr int kRawHalfBytes = kRawBlockBytes / 2;         // a raw block's second piece of each lane starts here
 constexpr int kStreamAlign = 256;                        // stream offsets are stored in these units
 constexpr uint8_t kDescRaw = 0x80;
 constexpr int32_t kNoStream = -1;
@@ -83,6 +88,10 @@ ZIPKV_HD int v_position(int tok, int dim) {
 }
 // is_v: 0 for K, 1 for V (the page's second index).
 ZIPKV_HD int position(int is_v, int tok, int dim) { return is_v ? v_position(tok, dim) : k_position(tok, dim); }
+
+// Index (in 16-bit values) of position p inside a raw block: lane p / 16's values 0..7 in the first half, 8..15 in
+// the second.
+ZIPKV_HD int raw_index(int p) { return (p % 16 < 8 ? 0 : kRawHalfBytes / 2) + 8 * (p / 16) + p % 8; }
 
 ZIPKV_HD int exponent_of(uint16_t x) { return (x >> 7) & 0xFF; }
 
@@ -141,8 +150,8 @@ ZIPKV_HD int read_stream(const int32_t* row, int nblocks, int64_t data_bytes, in
 ZIPKV_HD void encode_block(const uint16_t* v, uint8_t desc, uint8_t* dst) {
   if (desc == kDescRaw) {
     for (int p = 0; p < kBlockValues; ++p) {
-      dst[2 * p] = static_cast<uint8_t>(v[p] & 0xFF);
-      dst[2 * p + 1] = static_cast<uint8_t>(v[p] >> 8);
+      dst[2 * raw_index(p)] = static_cast<uint8_t>(v[p] & 0xFF);
+      dst[2 * raw_index(p) + 1] = static_cast<uint8_t>(v[p] >> 8);
     }
     return;
   }
@@ -156,7 +165,10 @@ ZIPKV_HD void encode_block(const uint16_t* v, uint8_t desc, uint8_t* dst) {
 // Decode one block (768 or 1024 bytes at src, per desc) into 512 values in position order.
 ZIPKV_HD void decode_block(const uint8_t* src, uint8_t desc, uint16_t* v) {
   if (desc == kDescRaw) {
-    for (int p = 0; p < kBlockValues; ++p) v[p] = static_cast<uint16_t>(src[2 * p] | (src[2 * p + 1] << 8));
+    for (int p = 0; p < kBlockValues; ++p) {
+      const int j = raw_index(p);
+      v[p] = static_cast<uint16_t>(src[2 * j] | (src[2 * j + 1] << 8));
+    }
     return;
   }
   for (int q = 0; q < kBlockValues / 8; ++q) {

@@ -111,6 +111,24 @@ def test_compress_false_stores_raw_and_sizes_add_up(gen):
     assert comp.num_pages == 4 and comp.page_size == 16 and comp.num_kv_heads == 2 and comp.head_dim == 128
 
 
+def test_raw_block_keeps_each_lane_as_two_16_byte_pieces():
+    # FORMAT.md v2: lane L's positions 16L..16L+7 at bytes 16L.., 16L+8..16L+15 at 512 + 16L... Each value here is
+    # its own (token, dim) index, so the bytes say where the kernel put every value.
+    tok, dim = torch.meshgrid(torch.arange(16), torch.arange(32), indexing="ij")
+    ids = (tok * 32 + dim).to(torch.int16)  # [16, 32], all distinct
+    kv = ids.view(torch.bfloat16).view(1, 1, 16, 1, 32).expand(1, 2, 16, 1, 32).contiguous()
+    kv = torch.cat([kv, kv], dim=-1)  # head_dim 64: two blocks per stream, the second like the first
+    ckv = torch_zipkv.compress(kv, compress=False)
+    words = ckv.data.view(torch.int16).view(2, 2, 512)  # K|V, block, 16-bit value slots
+    for is_v in (0, 1):
+        coords = reference.lane_coords(bool(is_v))  # position -> (token, dim)
+        for lane in range(32):
+            for i in range(16):
+                t, d = coords[16 * lane + i]
+                slot = (0 if i < 8 else 256) + 8 * lane + i % 8
+                assert int(words[is_v, 1, slot]) == t * 32 + d, (is_v, lane, i)
+
+
 def test_mixed_raw_and_compressed_pages_share_one_arena(gen):
     kv = random_kv(6, 16, 2, 64, gen)
     raw_pages = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool)

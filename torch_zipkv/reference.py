@@ -49,7 +49,9 @@ def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch
     sd = g(s), g(d)
     codes = (sd[0][..., :4] << 7) | sd[1][..., :4] | (sd[0][..., 4:] << 3) | (sd[1][..., 4:] << 4)
     comp_bytes = torch.cat([low, codes.flatten(-2)], -1)  # [..., 768]
-    raw_bytes = torch.stack([v & 0xFF, v >> 8], -1).flatten(-2)  # [..., 1024] little-endian
+    # Raw: each lane's 16 positions as two 8-value pieces, the first pieces of all lanes, then the second ones.
+    raw_order = v.view(*v.shape[:-1], 32, 2, 8).transpose(-3, -2).flatten(-3)
+    raw_bytes = torch.stack([raw_order & 0xFF, raw_order >> 8], -1).flatten(-2)  # [..., 1024] little-endian
     chunks, meta = [], torch.zeros(n, 2, H, fmt.meta_words(P, D), dtype=torch.int32)
     desc = torch.where(comp, base >> 1, fmt.DESC_RAW)
     offset = 0

@@ -45,7 +45,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
         auto* block = reinterpret_cast<uint16_t*>(
             base + stream + block_offset(reinterpret_cast<const uint8_t*>(row + 1), b));
         for (int dim = 0; dim < kBlockDims; ++dim)
-          block[position(is_v, tok, dim)] = src[is_v][(i * H + h) * D + span * kBlockDims + dim];
+          block[raw_index(position(is_v, tok, dim))] = src[is_v][(i * H + h) * D + span * kBlockDims + dim];
       }
     }
   });

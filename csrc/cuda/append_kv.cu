@@ -32,7 +32,7 @@ __global__ void append_kv_kernel(const uint16_t* __restrict__ k, const uint16_t*
   const int b = (slot / kTileTokens) * (D / kBlockDims) + dim / kBlockDims;
   if (desc[b] != kDescRaw) return;
   uint16_t* block = reinterpret_cast<uint16_t*>(data + start + block_offset(desc, b));
-  block[position(is_v, slot % kTileTokens, dim % kBlockDims)] = (is_v ? v : k)[(i * H + head) * D + dim];
+  block[raw_index(position(is_v, slot % kTileTokens, dim % kBlockDims))] = (is_v ? v : k)[(i * H + head) * D + dim];
 }
 
 void append_kv_cuda(const at::Tensor& k, const at::Tensor& v, const at::Tensor& page_ids, const at::Tensor& slots,

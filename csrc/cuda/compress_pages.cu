@@ -182,9 +182,9 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
     const uint8_t desc = desc_s[x];
     uint32_t w[8];
     load_lane_words(stage_of(k), (v_blocks >> k) & 1, lane, w);
-    if (desc == kDescRaw) {
-      reinterpret_cast<uint4*>(dst)[2 * lane] = make_uint4(w[0], w[1], w[2], w[3]);
-      reinterpret_cast<uint4*>(dst)[2 * lane + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+    if (desc == kDescRaw) {  // the lane's words 0-3 in the first half, 4-7 in the second (format.h raw_index)
+      reinterpret_cast<uint4*>(dst)[lane] = make_uint4(w[0], w[1], w[2], w[3]);
+      reinterpret_cast<uint4*>(dst + kRawHalfBytes)[lane] = make_uint4(w[4], w[5], w[6], w[7]);
     } else {
       uint4 low;
       uint2 codes;

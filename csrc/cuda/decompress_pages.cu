@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) decompress_pages_kernel(
   }
   const unsigned v_blocks = __ballot_sync(0xffffffffu, my_is_v);
 
-  // Fetch: raw, the lane's 32 bytes; compressed, its 16 low bytes (words 0-3) and 8 code bytes (words 4-5).
+  // Fetch: raw, the lane's two 16-byte pieces; compressed, its 16 low bytes (words 0-3) and 8 code bytes (words 4-5).
   uint32_t w[kBlocksPerWarp][8];
 #pragma unroll
   for (int k = 0; k < kBlocksPerWarp; ++k) {
@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) decompress_pages_kernel(
     const uint4* p = reinterpret_cast<const uint4*>(data + src);
     uint4 a, b;
     if (desc == kDescRaw) {
-      a = p[2 * lane];
-      b = p[2 * lane + 1];
+      a = p[lane];
+      b = p[kRawHalfBytes / 16 + lane];
     } else {
       a = p[lane];
       const uint2 codes = reinterpret_cast<const uint2*>(data + src + kLowBytes)[lane];

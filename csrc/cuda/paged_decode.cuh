@@ -154,25 +154,35 @@ __device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
 
 // ---------------------------------------------------------------------------------------------- block rebuild
 // The lane's 16 values of a block (at `block` in shared memory, stored as in global memory) as 8 bf16x2 registers
-// in position order: compressed, from 16 low bytes at 16 lane and 8 code bytes at 512 + 8 lane (both conflict-free).
+// in position order. Every load below is conflict-free: 16 bytes per lane at a 16-byte stride (or 8 at 8).
+// Compressed: 16 low bytes at 16 lane and 8 code bytes at 512 + 8 lane.
 __device__ __forceinline__ void rebuild_compressed(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
   decode_lane(*reinterpret_cast<const uint4*>(block + 16 * lane),
               *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane), desc, r);
 }
 
-// Either kind of block, without a branch (raw and compressed blocks mix in real KV): three loads at addresses chosen
-// by the kind, then both rebuilds and a select. A refused block (kDescBad) reads whatever is there; the caller turns
-// the request's result into NaN. The compressed rebuild is decode_lane's, written out with the select per word pair:
-// calling decode_lane and selecting afterwards keeps both 8-word sets live (d 128: 147 -> 155 registers).
+// Raw: the lane's words 0-3 at 16 lane, 4-7 at 512 + 16 lane (format.h raw_index).
+__device__ __forceinline__ void rebuild_raw(const uint8_t* block, int lane, uint32_t r[8]) {
+  const uint4 a = *reinterpret_cast<const uint4*>(block + 16 * lane);
+  const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * lane);
+  r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w, r[4] = b.x, r[5] = b.y, r[6] = b.z, r[7] = b.w;
+}
+
+// Either kind of block, without a branch (raw and compressed blocks mix in real KV). Both kinds keep the lane's first
+// 16 bytes at 16 lane; the second load takes 16 bytes at 512 + 16 x, x = lane (raw: words 4-7) or lane / 2
+// (compressed: the code bytes of this lane and its neighbour, the lane's own half picked by its parity). A refused
+// block (kDescBad) reads whatever is there; the caller turns the request's result into NaN. The compressed rebuild
+// is decode_lane's, written out with the select per word pair: calling decode_lane and selecting afterwards keeps
+// both 8-word sets live (d 128: 147 -> 155 registers).
 __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
   const bool raw = desc == kDescRaw;
-  const uint4 a = *reinterpret_cast<const uint4*>(block + (raw ? 32 * lane : 16 * lane));
-  const uint2 b0 = *reinterpret_cast<const uint2*>(block + (raw ? 32 * lane + 16 : kLowBytes + 8 * lane));
-  const uint2 b1 = *reinterpret_cast<const uint2*>(block + (raw ? 32 * lane + 24 : kLowBytes + 8 * lane));
+  const uint4 a = *reinterpret_cast<const uint4*>(block + 16 * lane);
+  const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * (raw ? lane : lane / 2));
+  const uint32_t c0 = lane % 2 ? b.z : b.x, c1 = lane % 2 ? b.w : b.y;
   uint32_t h[4];
-  decode_high_bytes(b0.x, desc & 0x7F, &h[0], &h[1]);
-  decode_high_bytes(b0.y, desc & 0x7F, &h[2], &h[3]);
-  const uint32_t l[4] = {a.x, a.y, a.z, a.w}, rw[8] = {a.x, a.y, a.z, a.w, b0.x, b0.y, b1.x, b1.y};
+  decode_high_bytes(c0, desc & 0x7F, &h[0], &h[1]);
+  decode_high_bytes(c1, desc & 0x7F, &h[2], &h[3]);
+  const uint32_t l[4] = {a.x, a.y, a.z, a.w}, rw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     r[2 * j] = raw ? rw[2 * j] : __byte_perm(l[j], h[j], 0x5140);
@@ -220,13 +230,17 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
   }
 }
 
+// Which straight-line rebuild a stream of a tile takes: every block compressed, every block raw, or a mix (and
+// refused streams), which finds each block after the ones before it.
+constexpr uint32_t kAllComp = 1, kAllRaw = 2;
+
 // A tile planned for issue, 32 bytes in the warp's tile table: descriptors (kDescBad for a refused stream), where
-// its K and V bytes are, how many, and whether every block is compressed (the compute's straight-line path).
+// its K and V bytes are, how many, and each stream's kind (kAllComp / kAllRaw / 0 for K, then << 2 for V).
 struct TileRec {
   uint4 descs;       // K descriptor bytes, then V's
   uint32_t src[2];   // K, V byte offsets in data / 256
   uint32_t bytes;    // K bytes | V bytes << 16 (0 for a refused stream)
-  uint32_t all_comp;
+  uint32_t kinds;
 };
 
 // Validates an entry and plans its tile. Each lane plans its own tile of a block of 32, so this runs once per tile.
@@ -235,7 +249,7 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
   constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
   TileRec t;
   uint8_t descs[2 * kB];
-  uint32_t any_raw = 0;
+  t.kinds = 0;
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
     uint32_t dw[kW], inval = e.bad_before, before = e.before[kv];
@@ -261,7 +275,7 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
     const uint32_t bytes = kCompBlockBytes * kB + (kRawBlockBytes - kCompBlockBytes) * raw;
     const bool ok = e.page >= 0 && e.start[kv] >= 0 && inval == 0 && begin + bytes <= p.data_bytes;
     t.src[kv] = ok ? static_cast<uint32_t>(begin / kStreamAlign) : 0;
-    any_raw |= ok ? raw : 1;
+    if (ok) t.kinds |= (raw == 0 ? kAllComp : raw == kB ? kAllRaw : 0u) << (2 * kv);
     if (!ok) raw = 0;
 #pragma unroll
     for (int c = 0; c < kB; ++c) descs[kv * kB + c] = ok ? static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4))) : kDescBad;
@@ -272,7 +286,6 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
 #pragma unroll
   for (int j = 0; j < 2 * kB; ++j) packed[j / 4] |= static_cast<uint32_t>(descs[j]) << (8 * (j % 4));
   t.descs = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  t.all_comp = any_raw == 0;
   return t;
 }
 
@@ -415,27 +428,32 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     const uint8_t* stage = ring + start % C::kRingBytes;
     const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
     const uint4 descs = rec.descs;
-    const bool fast = rec.all_comp != 0;
+    const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu, tile_bytes = k_bytes + (rec.bytes >> 16);
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
     const int lo = tile_of(i) == first_tile ? static_cast<int>(first % kTileTokens) : 0;  // first token kept
 
-    // The lane's registers of a block: all-compressed tiles (the common case) take a straight line at fixed
-    // offsets; others find each block after the ones before it (raw 1024 bytes, refused 0). V follows K.
-    int off = 0;
-    auto rebuild_blocks = [&](int first, uint32_t (&r)[kB][8]) {
-      if (fast) {
+    // The lane's registers of a stream's blocks (V's bytes follow K's): a stream of one kind (all compressed, the
+    // common case, or all raw) takes a straight line at fixed offsets; a mixed one finds each block after the ones
+    // before it (raw 1024 bytes, compressed 768, refused 0).
+    auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
+      const uint8_t* base = stage + (kv ? k_bytes : 0u);
+      const uint32_t kind = (kinds >> (2 * kv)) & 3u;
+      if (kind == kAllComp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
-          rebuild_compressed(stage + kCompBlockBytes * (first + c), desc_at(descs, first + c), lane, r[c]);
-        off += kB * kCompBlockBytes;
+          rebuild_compressed(base + kCompBlockBytes * c, desc_at(descs, kv * kB + c), lane, r[c]);
+      } else if (kind == kAllRaw) {
+#pragma unroll
+        for (int c = 0; c < kB; ++c) rebuild_raw(base + kRawBlockBytes * c, lane, r[c]);
       } else {
+        int off = 0;
 #pragma unroll
         for (int c = 0; c < kB; ++c) {
-          const uint8_t desc = desc_at(descs, first + c);
-          rebuild_any(stage + off, desc, lane, r[c]);
+          const uint8_t desc = desc_at(descs, kv * kB + c);
+          rebuild_any(base + off, desc, lane, r[c]);
           off += block_size(desc);
         }
       }
@@ -510,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     }
 
     uint32_t vr[kB][8];
-    rebuild_blocks(kB, vr);
+    rebuild_blocks(1, vr);
     if (valid < kTileTokens || lo > 0) {
       // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
       // their V values, as 0 * NaN would poison the product although their probability is 0. Lane registers hold
@@ -534,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 2], vr[c][4 * h + 1], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
-    tail_pos = start + off;  // off is the tile's size
+    tail_pos = start + static_cast<int>(tile_bytes);
     __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
     fill(i + 1);
     __syncwarp();            // lane 0's slot records are visible to the warp
