@@ -62,12 +62,11 @@ struct Params {
   float cap_log2, scale_cap;  // cap * log2(e), sm_scale / cap
 };
 
-// Geometry and pipeline depth per head_dim, target residency (kCtas CTAs per SM) and ring unit. Each warp owns a
-// byte ring in shared memory as large as kCtas CTAs per SM leave room for. A unit is a whole tile (kUnits = 1: K
-// bytes then V bytes, one mbarrier) or one stream of it (kUnits = 2: K and V each on their own mbarrier, so K's bytes
-// are given back as soon as S is computed); a unit takes exactly its stored size, so compressed tiles keep 4/3 more
-// tiles in flight than raw ones in the same room. kSlots bounds the units in the ring at once (one mbarrier each).
-template <int D, int kCtas = 1, int kUnits = 1>
+// Geometry and pipeline depth per head_dim and target residency (kCtas CTAs per SM). Each warp owns a byte ring in
+// shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K bytes then V
+// bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds the tiles
+// in the ring at once (one mbarrier each).
+template <int D, int kCtas = 1>
 struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
@@ -76,9 +75,9 @@ struct Cfg {
   // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for slots and mbarriers.
   static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
   static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
-  static constexpr int kSlots = kRingBytes / (kMinTileBytes / kUnits);
+  static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
-  static constexpr int kSlotBytes = kWarps * kSlots * 4;   // per warp and slot: where its unit starts in the ring
+  static constexpr int kSlotBytes = kWarps * kSlots * 4;   // per warp and slot: where its tile starts in the ring
   static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
   static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes + kTableBytes;
   static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
@@ -176,7 +175,6 @@ __device__ __forceinline__ void rebuild_raw(const uint8_t* block, int lane, uint
 // is decode_lane's, written out with the select per word pair: calling decode_lane and selecting afterwards keeps
 // both 8-word sets live (d 128: 147 -> 155 registers).
 __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
-  static_assert(kLowBytes == kRawHalfBytes, "both kinds' second loads start 512 bytes into the block");
   const bool raw = desc == kDescRaw;
   const uint4 a = *reinterpret_cast<const uint4*>(block + 16 * lane);
   const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * (raw ? lane : lane / 2));
@@ -291,26 +289,13 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
   return t;
 }
 
-// Bytes of a ring unit: the whole tile (kUnits = 1) or its stream kv (kUnits = 2).
-template <int kUnits>
-__device__ __forceinline__ uint32_t unit_bytes(const TileRec& t, int kv) {
-  const uint32_t kb = t.bytes & 0xFFFFu, vb = t.bytes >> 16;
-  return kUnits == 1 ? kb + vb : kv ? vb : kb;
-}
-
-// Lane 0 starts a unit's bulk copies into dst on the slot's mbarrier: the tile's K bytes then V bytes right after
-// (kUnits = 1), or the bytes of its stream kv (kUnits = 2).
-template <int kUnits>
-__device__ __forceinline__ void issue_unit(const Params& p, const TileRec& t, int kv, uint8_t* dst, uint32_t bar) {
+// Lane 0 starts the tile's two bulk copies (K bytes, then V bytes right after) into dst on the slot's mbarrier.
+__device__ __forceinline__ void issue_tile(const Params& p, const TileRec& t, uint8_t* dst, uint32_t bar) {
   const uint32_t kb = t.bytes & 0xFFFFu, vb = t.bytes >> 16;
   fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
-  mbar_arrive_expect(bar, unit_bytes<kUnits>(t, kv));
-  if (kUnits == 1 || kv == 0) {
-    if (kb) bulk_copy(smem_addr(dst), p.data + uint64_t{t.src[0]} * kStreamAlign, kb, bar);
-  }
-  if (kUnits == 1 || kv == 1) {
-    if (vb) bulk_copy(smem_addr(dst + (kUnits == 1 ? kb : 0u)), p.data + uint64_t{t.src[1]} * kStreamAlign, vb, bar);
-  }
+  mbar_arrive_expect(bar, kb + vb);
+  if (kb) bulk_copy(smem_addr(dst), p.data + uint64_t{t.src[0]} * kStreamAlign, kb, bar);
+  if (vb) bulk_copy(smem_addr(dst + kb), p.data + uint64_t{t.src[1]} * kStreamAlign, vb, bar);
 }
 
 // Bytes a block takes in the ring: a refused stream was not copied at all.
@@ -324,9 +309,9 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
-template <int D, int kHeadTiles, int kCtas, int kUnits>
+template <int D, int kHeadTiles, int kCtas>
 __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Params p) {
-  using C = Cfg<D, kCtas, kUnits>;
+  using C = Cfg<D, kCtas>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -369,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
       }
 
   uint8_t* ring = smem + warp * C::kRingBytes;
-  // Per slot, where lane 0 put its unit in the ring (every lane reads it after the __syncwarp that follows fill).
+  // Per slot, where lane 0 put its tile in the ring (every lane reads it after the __syncwarp that follows fill).
   int32_t* slot_start = reinterpret_cast<int32_t*>(smem + C::kPipeBytes) + warp * kSlots;
   const uint32_t bars = smem_addr(smem + C::kPipeBytes + C::kSlotBytes) + warp * kSlots * 8;
   if (lane == 0) {
@@ -396,38 +381,25 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     __syncwarp();
   };
 
-  // Ring state (warp-uniform), in units (unit u: tile u / kUnits, stream u % kUnits): bytes are counted
-  // monotonically; a unit that would wrap starts at the ring's start.
+  // Ring state (warp-uniform): bytes are counted monotonically; a tile that would wrap starts at the ring's start.
   int issued = 0, head_pos = 0, tail_pos = 0;
-  auto fill = [&](int consumed) {  // issue while the next unit fits and a slot is free
-    while (issued < kUnits * n_mine && issued - consumed < kSlots) {
-      const int tile = issued / kUnits;
-      if (tile / 32 != refreshed) refresh(tile / 32);
-      const TileRec& rec = table[(tile / 32 % 2) * 32 + tile % 32];
-      const int size = static_cast<int>(unit_bytes<kUnits>(rec, issued % kUnits));
+  auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
+    while (issued < n_mine && issued - consumed < kSlots) {
+      if (issued / 32 != refreshed) refresh(issued / 32);
+      const TileRec& rec = table[(issued / 32 % 2) * 32 + issued % 32];
+      const uint32_t bytes = rec.bytes;
+      const int size = static_cast<int>((bytes & 0xFFFFu) + (bytes >> 16));
       const int at = head_pos % C::kRingBytes;
       const int start = at + size > C::kRingBytes ? head_pos + (C::kRingBytes - at) : head_pos;
       if (start + size - tail_pos > C::kRingBytes) break;
       const int slot = issued % kSlots;
       if (lane == 0) {
-        issue_unit<kUnits>(p, rec, issued % kUnits, ring + start % C::kRingBytes, bars + 8 * slot);
+        issue_tile(p, rec, ring + start % C::kRingBytes, bars + 8 * slot);
         slot_start[slot] = start;
       }
       head_pos = start + size;
       ++issued;
     }
-  };
-  // Waits for unit u and returns where it starts (monotonic ring position).
-  auto wait_unit = [&](int u) {
-    mbar_wait(bars + 8 * (u % kSlots), (u / kSlots) & 1);
-    return slot_start[u % kSlots];
-  };
-  // Gives back the ring bytes up to `end` and issues what fits, `consumed` units being done.
-  auto release = [&](int end, int consumed) {
-    tail_pos = end;
-    __syncwarp();  // every lane is done reading those bytes before they and their slots are reused
-    fill(consumed);
-    __syncwarp();  // lane 0's slot records are visible to the warp
   };
 
   // O^T accumulators: o[mt][n] holds dims 16 mt + g (0, 1) and 16 mt + g + 8 (2, 3) of heads 8 n + 2t (0, 2) and
@@ -450,11 +422,13 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   if (n_mine > 0) fill(0);
   __syncwarp();
   for (int i = 0; i < n_mine; ++i) {
-    const int k_start = wait_unit(kUnits * i);  // tile i (kUnits = 1) or its K stream has landed
+    const int slot = i % kSlots;
+    mbar_wait(bars + 8 * slot, (i / kSlots) & 1);  // tile i has landed
+    const int start = slot_start[slot];
+    const uint8_t* stage = ring + start % C::kRingBytes;
     const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
     const uint4 descs = rec.descs;
-    const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu, rec_v_bytes = rec.bytes >> 16;
-    const uint32_t tile_bytes = k_bytes + rec_v_bytes;
+    const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu, tile_bytes = k_bytes + (rec.bytes >> 16);
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
@@ -464,8 +438,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     // The lane's registers of a stream's blocks (V's bytes follow K's): a stream of one kind (all compressed, the
     // common case, or all raw) takes a straight line at fixed offsets; a mixed one finds each block after the ones
     // before it (raw 1024 bytes, compressed 768, refused 0).
-    auto rebuild_blocks = [&](int start, int kv, uint32_t (&r)[kB][8]) {
-      const uint8_t* base = ring + start % C::kRingBytes + (kUnits == 1 && kv ? k_bytes : 0u);
+    auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
+      const uint8_t* base = stage + (kv ? k_bytes : 0u);
       const uint32_t kind = (kinds >> (2 * kv)) & 3u;
       if (kind == kAllComp) {
 #pragma unroll
@@ -485,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
       }
     };
     uint32_t kr[kB][8];
-    rebuild_blocks(k_start, 0, kr);
+    rebuild_blocks(0, kr);
 
     // S^T = K Q^T for 16 tokens: s[n] holds tokens g (0, 1) and g + 8 (2, 3) of heads 8 n + 2t, 8 n + 2t + 1. The
     // two 16-dim halves of each 32-dim block accumulate separately (two shorter dependent mma chains). A block's K
@@ -503,8 +477,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
         mma(s2[n], kr[c][2], kr[c][6], kr[c][3], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
       }
     }
-
-    if constexpr (kUnits == 2) release(k_start + static_cast<int>(k_bytes), 2 * i + 1);  // K's bytes are done
 
     // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its max.
     const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
@@ -555,9 +527,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
           for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
     }
 
-    const int v_start = kUnits == 1 ? k_start : wait_unit(2 * i + 1);
     uint32_t vr[kB][8];
-    rebuild_blocks(v_start, 1, vr);
+    rebuild_blocks(1, vr);
     if (valid < kTileTokens || lo > 0) {
       // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
       // their V values, as 0 * NaN would poison the product although their probability is 0. Lane registers hold
@@ -581,8 +552,10 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 2], vr[c][4 * h + 1], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
-    release(kUnits == 1 ? k_start + static_cast<int>(tile_bytes) : v_start + static_cast<int>(rec_v_bytes),
-            kUnits * (i + 1));
+    tail_pos = start + static_cast<int>(tile_bytes);
+    __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
+    fill(i + 1);
+    __syncwarp();            // lane 0's slot records are visible to the warp
   }
 
   // Merge the warps' states (the pipeline buffers are free now): per head, m and l, and the unnormalised O.

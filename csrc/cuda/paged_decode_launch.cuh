@@ -4,52 +4,39 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include <cstdlib>
-
 #include "paged_decode.cuh"
 
 namespace zipkv::cuda::decode {
 
-// EXPERIMENT (decode v11b): ring units of whole tiles (1) or of single streams (2, default); ZIPKV_DECODE_UNITS=1
-// selects the former so one build measures both. Removed once measured.
-inline int ring_units() {
-  static const int u = [] {
-    const char* e = std::getenv("ZIPKV_DECODE_UNITS");
-    return e != nullptr && e[0] == '1' ? 1 : 2;
-  }();
-  return u;
-}
-
-template <int D, int kHeadTiles, int kCtas, int kUnits>
+template <int D, int kHeadTiles, int kCtas>
 void set_smem_limit() {
   // Once per instantiation, outside any graph capture in practice (the first call of a program runs eagerly).
   static const bool done = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas, kUnits>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Cfg<D, kCtas, kUnits>::kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<D, kCtas>::kSmemBytes));
     return true;
   }();
   (void)done;
 }
 
-template <int D, int kHeadTiles, int kCtas, int kUnits>
+template <int D, int kHeadTiles, int kCtas>
 int occupancy() {
   // Once per instantiation, like the shared-memory limit it depends on.
   static const int n = [] {
-    set_smem_limit<D, kHeadTiles, kCtas, kUnits>();
+    set_smem_limit<D, kHeadTiles, kCtas>();
     int ctas = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &ctas, paged_decode_kernel<D, kHeadTiles, kCtas, kUnits>, kThreads, Cfg<D, kCtas, kUnits>::kSmemBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, kHeadTiles, kCtas>,
+                                                                 kThreads, Cfg<D, kCtas>::kSmemBytes));
     return ctas;
   }();
   return n;
 }
 
-template <int D, int kHeadTiles, int kCtas, int kUnits>
+template <int D, int kHeadTiles, int kCtas>
 void launch_kernel(const Params& p, cudaStream_t stream) {
-  set_smem_limit<D, kHeadTiles, kCtas, kUnits>();
+  set_smem_limit<D, kHeadTiles, kCtas>();
   const unsigned int ctas = static_cast<unsigned int>(int64_t{p.batch} * p.H * p.num_splits);
-  paged_decode_kernel<D, kHeadTiles, kCtas, kUnits><<<ctas, kThreads, Cfg<D, kCtas, kUnits>::kSmemBytes, stream>>>(p);
+  paged_decode_kernel<D, kHeadTiles, kCtas><<<ctas, kThreads, Cfg<D, kCtas>::kSmemBytes, stream>>>(p);
 }
 
 // The variant serving a head_dim and group: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N tiles), and the
@@ -65,17 +52,12 @@ auto dispatch(int group, F&& f) {
 
 template <int D>
 int ctas_per_sm(int group) {
-  return dispatch<D>(group, []<int kHeadTiles, int kCtas>() {
-    return ring_units() == 1 ? occupancy<D, kHeadTiles, kCtas, 1>() : occupancy<D, kHeadTiles, kCtas, 2>();
-  });
+  return dispatch<D>(group, []<int kHeadTiles, int kCtas>() { return occupancy<D, kHeadTiles, kCtas>(); });
 }
 
 template <int D>
 void launch(const Params& p, cudaStream_t stream) {
-  dispatch<D>(p.group, [&]<int kHeadTiles, int kCtas>() {
-    if (ring_units() == 1) launch_kernel<D, kHeadTiles, kCtas, 1>(p, stream);
-    else launch_kernel<D, kHeadTiles, kCtas, 2>(p, stream);
-  });
+  dispatch<D>(p.group, [&]<int kHeadTiles, int kCtas>() { launch_kernel<D, kHeadTiles, kCtas>(p, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
     // Programmatic dependent launch: the merge's CTAs start while the decode grid drains (launch latency hidden).
