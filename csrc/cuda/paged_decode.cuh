@@ -175,6 +175,7 @@ __device__ __forceinline__ void rebuild_raw(const uint8_t* block, int lane, uint
 // is decode_lane's, written out with the select per word pair: calling decode_lane and selecting afterwards keeps
 // both 8-word sets live (d 128: 147 -> 155 registers).
 __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
+  static_assert(kLowBytes == kRawHalfBytes, "both kinds' second loads start 512 bytes into the block");
   const bool raw = desc == kDescRaw;
   const uint4 a = *reinterpret_cast<const uint4*>(block + 16 * lane);
   const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * (raw ? lane : lane / 2));
