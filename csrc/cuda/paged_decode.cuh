@@ -8,10 +8,8 @@
 // one lane moves a whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
 //
 // Page ids and meta rows are fetched long before use: once per block of 32 tiles each lane plans one tile of the
-// next block (from meta words it started loading a block earlier) into a tile record it keeps in registers, so
-// issuing a tile is a few shuffles from the lane that planned it, a ring check and two copies (benchmarks/NOTES.md
-// has the versions and the profile). Keeping the records out of shared memory leaves room for a third compressed
-// tile in each warp's ring at d 128 (decode v11).
+// next block (from meta words it started loading a block earlier) into a tile table in shared memory, so issuing a
+// tile is a table read, a ring check and two copies (benchmarks/NOTES.md has the versions and the profile).
 //
 // Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t), transposed so that the 16
 // tokens of a tile fill the M dimension and the GQA group (at most 8 heads per N tile) the narrow N dimension: a
@@ -73,16 +71,16 @@ struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
+  static constexpr int kTableBytes = kWarps * 64 * 32;  // per warp, two blocks of 32 tile records
   // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for slots and mbarriers.
   static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
-  static constexpr int kRingBytes = (kCtaBytes - 1024) / kWarps / 256 * 256;
+  static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
   static constexpr int kSlotBytes = kWarps * kSlots * 4;   // per warp and slot: where its tile starts in the ring
   static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
-  static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes;
+  static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes + kTableBytes;
   static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
-  static_assert(kSlots < 32, "issue runs less than a block of 32 tiles ahead: two halves of tile records suffice");
   static_assert(kSlotBytes + kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
   static_assert(kSlotBytes % 8 == 0 && (kSlotBytes + kBarBytes) % 16 == 0, "mbarriers and records stay aligned");
@@ -193,7 +191,7 @@ __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, 
   }
 }
 
-// ---------------------------------------------------------------------------------------------- tile records
+// ---------------------------------------------------------------------------------------------- tile table
 // What issuing one tile needs about its two streams (K, V) of this kv head. Lane k of a warp holds the entry of the
 // warp's tile 32 b + k; the loads behind an entry are made a whole block of 32 tiles before it is used.
 template <int D>
@@ -237,9 +235,8 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
 // refused streams), which finds each block after the ones before it.
 constexpr uint32_t kAllComp = 1, kAllRaw = 2;
 
-// A tile planned for issue, held in registers by the lane that planned it: descriptors (kDescBad for a refused
-// stream), where its K and V bytes are, how many, and each stream's kind (kAllComp / kAllRaw / 0 for K, then << 2
-// for V).
+// A tile planned for issue, 32 bytes in the warp's tile table: descriptors (kDescBad for a refused stream), where
+// its K and V bytes are, how many, and each stream's kind (kAllComp / kAllRaw / 0 for K, then << 2 for V).
 struct TileRec {
   uint4 descs;       // K descriptor bytes, then V's
   uint32_t src[2];   // K, V byte offsets in data / 256
@@ -368,28 +365,21 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   }
   __syncwarp();
 
-  // Tile records: lane j holds those of the warp's tiles 32 k + j for the last two blocks k (block k in half k % 2).
-  // At refresh(k) lane j plans tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts
-  // the loads for block k + 1 (whose page ids it loaded at refresh(k - 1)) and the page ids of block k + 2: nothing
-  // waits on memory. Issue reads a block ahead of the compute at most, so two halves suffice.
-  TileRec half[2] = {};
+  // Tile table: records of the warp's tiles, two blocks of 32 (block k in half k % 2). At refresh(k) lane j plans
+  // tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts the loads for block k + 1
+  // (whose page ids it loaded at refresh(k - 1)) and the page ids of block k + 2: nothing waits on memory.
+  TileRec* table = reinterpret_cast<TileRec*>(smem + C::kPipeBytes + C::kSlotBytes + C::kBarBytes) + warp * 64;
   auto page_id = [&](int i) { return i < n_mine ? __ldg(p.kv_indices + begin + tile_of(i) / tiles_per_page) : -1; };
   Entry<D> pending;
   load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, pending);
   int32_t ids_next = page_id(32 + lane);
   int refreshed = -1;
   auto refresh = [&](int k) {
-    const TileRec t = plan_tile<D>(p, tile_of(32 * k + lane) % tiles_per_page, pending);
-    if (k % 2) half[1] = t;  // warp-uniform: no run-time index into the register array
-    else half[0] = t;
+    table[(k % 2) * 32 + lane] = plan_tile<D>(p, tile_of(32 * k + lane) % tiles_per_page, pending);
     load_entry<D>(p, head, ids_next, tile_of(32 * (k + 1) + lane) % tiles_per_page, pending);
     ids_next = page_id(32 * (k + 2) + lane);
     refreshed = k;
-  };
-  // Field f of warp tile i's record, from the lane that planned it (i warp-uniform).
-  auto from_planner = [&](int i, auto field) {
-    const uint32_t mine = i / 32 % 2 ? field(half[1]) : field(half[0]);
-    return __shfl_sync(0xFFFFFFFFu, mine, i % 32);
+    __syncwarp();
   };
 
   // Ring state (warp-uniform): bytes are counted monotonically; a tile that would wrap starts at the ring's start.
@@ -397,10 +387,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
     while (issued < n_mine && issued - consumed < kSlots) {
       if (issued / 32 != refreshed) refresh(issued / 32);
-      TileRec rec;
-      rec.bytes = from_planner(issued, [](const TileRec& r) { return r.bytes; });
-      rec.src[0] = from_planner(issued, [](const TileRec& r) { return r.src[0]; });
-      rec.src[1] = from_planner(issued, [](const TileRec& r) { return r.src[1]; });
+      const TileRec& rec = table[(issued / 32 % 2) * 32 + issued % 32];
       const uint32_t bytes = rec.bytes;
       const int size = static_cast<int>((bytes & 0xFFFFu) + (bytes >> 16));
       const int at = head_pos % C::kRingBytes;
@@ -440,16 +427,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     mbar_wait(bars + 8 * slot, (i / kSlots) & 1);  // tile i has landed
     const int start = slot_start[slot];
     const uint8_t* stage = ring + start % C::kRingBytes;
-    // The tile's descriptor words (only those its 2 kB descriptor bytes use), sizes and kinds.
-    constexpr int kDescUsed = (2 * kB + 3) / 4;
-    uint4 descs = make_uint4(0, 0, 0, 0);
-    descs.x = from_planner(i, [](const TileRec& r) { return r.descs.x; });
-    if constexpr (kDescUsed > 1) descs.y = from_planner(i, [](const TileRec& r) { return r.descs.y; });
-    if constexpr (kDescUsed > 2) descs.z = from_planner(i, [](const TileRec& r) { return r.descs.z; });
-    if constexpr (kDescUsed > 3) descs.w = from_planner(i, [](const TileRec& r) { return r.descs.w; });
-    const uint32_t kinds = from_planner(i, [](const TileRec& r) { return r.kinds; });
-    const uint32_t bytes = from_planner(i, [](const TileRec& r) { return r.bytes; });
-    const uint32_t k_bytes = bytes & 0xFFFFu, tile_bytes = k_bytes + (bytes >> 16);
+    const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
+    const uint4 descs = rec.descs;
+    const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu, tile_bytes = k_bytes + (rec.bytes >> 16);
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
