@@ -439,9 +439,18 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     // The lane's registers of a stream's blocks (V's bytes follow K's): a stream of one kind (all compressed, the
     // common case, or all raw) takes a straight line at fixed offsets; a mixed one finds each block after the ones
     // before it (raw 1024 bytes, compressed 768, refused 0).
+    // An all-compressed tile (every block of random data, most of real V) keeps one condition for both streams and
+    // V at a fixed offset: per-stream conditions alone cost 5% at d 64 (benchmarks/NOTES.md, v11).
+    const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
     auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
-      const uint8_t* base = stage + (kv ? k_bytes : 0u);
       const uint32_t kind = (kinds >> (2 * kv)) & 3u;
+      if (tile_comp) {
+#pragma unroll
+        for (int c = 0; c < kB; ++c)
+          rebuild_compressed(stage + kCompBlockBytes * (kv * kB + c), desc_at(descs, kv * kB + c), lane, r[c]);
+        return;
+      }
+      const uint8_t* base = stage + (kv ? k_bytes : 0u);
       if (kind == kAllComp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
