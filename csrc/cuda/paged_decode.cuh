@@ -18,8 +18,9 @@
 //     put exactly the lane's A registers together. Q^T (B operand) stays in registers for the whole kernel.
 //   O^T = V^T P^T: M = 16 dims, N = 8 heads, K = 16 tokens. The A operand is V dim-major (format.h's V positions);
 //     P^T is S^T's accumulators in bf16, moved into B-operand order by two movmatrix.trans per tile.
-// A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or 32 bytes (raw); they rebuild into
-// 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes) and 8 byte permutes.
+// A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or two 16-byte pieces 512 bytes apart
+// (raw, format v2); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h
+// decode_high_bytes) and 8 byte permutes, or are those registers as loaded.
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
 // out of range, a missing stream, an invalid descriptor, a stream past the end of data or an inconsistent page-table
