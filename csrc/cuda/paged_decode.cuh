@@ -437,11 +437,11 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
     const int lo = tile_of(i) == first_tile ? static_cast<int>(first % kTileTokens) : 0;  // first token kept
 
-    // The lane's registers of a stream's blocks (V's bytes follow K's): a stream of one kind (all compressed, the
-    // common case, or all raw) takes a straight line at fixed offsets; a mixed one finds each block after the ones
-    // before it (raw 1024 bytes, compressed 768, refused 0).
-    // An all-compressed tile (every block of random data, most of real V) keeps one condition for both streams and
-    // V at a fixed offset: per-stream conditions alone cost 5% at d 64 (benchmarks/NOTES.md, v11).
+    // The lane's registers of a stream's blocks (V's bytes follow K's). An all-compressed tile (every block of random
+    // data, most tiles of real V) takes one straight line for both streams, V at a fixed offset (per-stream
+    // conditions alone cost 5% at d 64: benchmarks/NOTES.md, v11). Otherwise a stream of one kind (all compressed or
+    // all raw) takes a straight line from its start, and a mixed one finds each block after the ones before it (raw
+    // 1024 bytes, compressed 768, refused 0).
     const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
     auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
       const uint32_t kind = (kinds >> (2 * kv)) & 3u;
