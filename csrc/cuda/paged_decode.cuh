@@ -444,7 +444,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     // 1024 bytes, compressed 768, refused 0).
     const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
     auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
-      const uint32_t kind = (kinds >> (2 * kv)) & 3u;
       if (tile_comp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
@@ -452,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
         return;
       }
       const uint8_t* base = stage + (kv ? k_bytes : 0u);
+      const uint32_t kind = (kinds >> (2 * kv)) & 3u;
       if (kind == kAllComp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 12 run 2: decode v11c (tile records in registers, so d 128 rings hold 3 compressed tiles): GPU tests, the
-# full grid with FlashInfer; then v11a (shared-memory tile table, HEAD's paged_decode.cuh) on a subset, same call.
+# full grid with FlashInfer; then v11a (shared-memory tile table) on a subset, same call.
+# .box/paged_decode_v11a.cuh was `git show 68b46f6:csrc/cuda/paged_decode.cuh`.
 set -uo pipefail
 export OUT=${OUT:-/tmp/zipkv-out}; mkdir -p $OUT
 export PYTHONPATH=/tmp/zipkv-site${PYTHONPATH:+:$PYTHONPATH} ZIPKV_REAL_KV=.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1
