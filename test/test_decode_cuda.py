@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_zipkv
-from torch_zipkv import reference
+from torch_zipkv import format as fmt, reference
 
 from conftest import (capture_graph, compressible_kv, page_table, random_kv, requires_cuda, spread_layers,
                       store)
@@ -72,6 +72,36 @@ def test_larger_pages_count_raw_blocks_before_the_tile(gen, page_size, head_dim)
     raw_pages = torch.rand(12, generator=gen) < 0.3
     seq_lens = [1, page_size + 3, 3 * page_size, 2 * page_size - 5]
     out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, raw_pages, seq_lens, 6, gen)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim, group", [(64, 3), (64, 12), (128, 4), (128, 16), (256, 2)])
+def test_every_raw_block_pattern_of_a_stream(gen, head_dim, group):
+    """Every pattern of raw and compressed blocks inside one K or V stream (an exact zero keeps its block raw), each
+    stream with its own: the kernel rebuilds mixed streams by pattern (benchmarks/NOTES.md v12), so each pattern is
+    a code path of its own."""
+    blocks, heads = head_dim // 32, 2
+    patterns = 2**blocks
+    n = max(8, patterns // heads)
+    kv = compressible_kv(n, 16, heads, head_dim, gen)
+    want = torch.zeros(n, 2, heads, blocks, dtype=torch.bool)
+    for p in range(n):
+        for h in range(heads):
+            i = p * heads + h
+            for s, mask in ((0, i % patterns), (1, (5 * i + 1) % patterns)):  # x -> 5x + 1 permutes the patterns
+                for c in range(blocks):
+                    if mask >> c & 1:
+                        token, dim = torch.randint(16, (2,), generator=gen).tolist()
+                        kv[p, s, token, h, 32 * c + 2 * dim] = 0.0
+                        want[p, s, h, c] = True
+    ckv = store(kv)
+    raw = ckv.meta[..., 1:].contiguous().view(torch.uint8)[..., :blocks] == fmt.DESC_RAW
+    assert torch.equal(raw, want)  # the storage kept exactly the blocks the test made raw
+    for s in range(2):
+        seen = {int(sum(int(b) << c for c, b in enumerate(row))) for row in raw[:, s].reshape(-1, blocks)}
+        assert len(seen) == patterns
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, None, [16 * (n // 2), 16 * (n - n // 2) - 5],
+                                                       heads * group, gen)
     check(out_g, lse_g, out_c, ref, ref_lse)
 
 

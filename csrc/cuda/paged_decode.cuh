@@ -73,18 +73,17 @@ struct Cfg {
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
   static constexpr int kTableBytes = kWarps * 64 * 32;  // per warp, two blocks of 32 tile records
-  // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for slots and mbarriers.
+  // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for the mbarriers.
   static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
   static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
-  static constexpr int kSlotBytes = kWarps * kSlots * 4;   // per warp and slot: where its tile starts in the ring
   static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
-  static constexpr int kSmemBytes = kPipeBytes + kSlotBytes + kBarBytes + kTableBytes;
+  static constexpr int kSmemBytes = kPipeBytes + kBarBytes + kTableBytes;
   static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
-  static_assert(kSlotBytes + kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
+  static_assert(kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
   static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
-  static_assert(kSlotBytes % 8 == 0 && (kSlotBytes + kBarBytes) % 16 == 0, "mbarriers and records stay aligned");
+  static_assert(kBarBytes % 16 == 0, "the tile records after the mbarriers stay aligned");
 };
 
 // ---------------------------------------------------------------------------------------------- PTX wrappers
@@ -232,12 +231,14 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
   }
 }
 
-// Which straight-line rebuild a stream of a tile takes: every block compressed, every block raw, or a mix (and
-// refused streams), which finds each block after the ones before it.
-constexpr uint32_t kAllComp = 1, kAllRaw = 2;
+// Which straight-line rebuild a stream of a tile takes: every block compressed, every block raw, a mix (its raw
+// blocks in a bit mask: one line per pattern of each pair of blocks), or, for a refused stream and for mixes at
+// d 256, the general rebuild that finds each block after the ones before it.
+constexpr uint32_t kAllComp = 1, kAllRaw = 2, kMixed = 3;
 
 // A tile planned for issue, 32 bytes in the warp's tile table: descriptors (kDescBad for a refused stream), where
-// its K and V bytes are, how many, and each stream's kind (kAllComp / kAllRaw / 0 for K, then << 2 for V).
+// its K and V bytes are, how many, and each stream's kind (bits 0-1 K, 2-3 V; 0: refused) and raw-block mask (bits
+// 8-15 K, 16-23 V).
 struct TileRec {
   uint4 descs;       // K descriptor bytes, then V's
   uint32_t src[2];   // K, V byte offsets in data / 256
@@ -277,10 +278,14 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
     const uint32_t bytes = kCompBlockBytes * kB + (kRawBlockBytes - kCompBlockBytes) * raw;
     const bool ok = e.page >= 0 && e.start[kv] >= 0 && inval == 0 && begin + bytes <= p.data_bytes;
     t.src[kv] = ok ? static_cast<uint32_t>(begin / kStreamAlign) : 0;
-    if (ok) t.kinds |= (raw == 0 ? kAllComp : raw == kB ? kAllRaw : 0u) << (2 * kv);
-    if (!ok) raw = 0;
+    uint32_t mask = 0;
 #pragma unroll
-    for (int c = 0; c < kB; ++c) descs[kv * kB + c] = ok ? static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4))) : kDescBad;
+    for (int c = 0; c < kB; ++c) {
+      const uint8_t d = static_cast<uint8_t>(dw[c / 4] >> (8 * (c % 4)));
+      descs[kv * kB + c] = ok ? d : kDescBad;
+      mask |= static_cast<uint32_t>(d == kDescRaw) << c;
+    }
+    if (ok) t.kinds |= (raw == 0 ? kAllComp : raw == kB ? kAllRaw : kMixed) << (2 * kv) | mask << (8 + 8 * kv);
     if (kv == 0) t.bytes = ok ? bytes : 0;
     else t.bytes |= (ok ? bytes : 0) << 16;
   }
@@ -310,11 +315,42 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
   return static_cast<uint8_t>(w >> (8 * (j % 4)));
 }
 
+// Blocks kC, kC + 1 of a mixed stream (raw blocks in `mask`) in one straight line per pattern of the pair, so every
+// load and permute is a fixed instruction instead of rebuild_any's both decodes and a select per word (~65 more
+// instructions per d 128 stream). Pairs rather than whole streams: 14 whole-stream lines at d 128 made the loop's
+// code too large and real KV slower (benchmarks/NOTES.md, v12); a uniform branch does not wait for the loads
+// before it, so the two pairs' loads are still in flight together.
+template <int kB, int kC>
+__device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base, const uint4& descs, int first,
+                                             int lane, uint32_t (&r)[kB][8]) {
+  const uint8_t* at =
+      base + kCompBlockBytes * kC + (kRawBlockBytes - kCompBlockBytes) * __popc(mask & ((1u << kC) - 1));
+  auto line = [&]<uint32_t kPair>() {
+    if constexpr (kPair & 1) rebuild_raw(at, lane, r[kC]);
+    else rebuild_compressed(at, desc_at(descs, first + kC), lane, r[kC]);
+    const uint8_t* next = at + ((kPair & 1) ? kRawBlockBytes : kCompBlockBytes);
+    if constexpr (kPair & 2) rebuild_raw(next, lane, r[kC + 1]);
+    else rebuild_compressed(next, desc_at(descs, first + kC + 1), lane, r[kC + 1]);
+  };
+  switch ((mask >> kC) & 3u) {
+    case 0: if constexpr (kB > 2) line.template operator()<0>(); break;  // a 2-block mix is pattern 1 or 2
+    case 1: line.template operator()<1>(); break;
+    case 2: line.template operator()<2>(); break;
+    default: if constexpr (kB > 2) line.template operator()<3>(); break;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- the kernel
 template <int D, int kHeadTiles, int kCtas>
 __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Params p) {
   using C = Cfg<D, kCtas>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
+  // Mixed streams take rebuild_pair's lines at d 64 and 128 with one head tile; with two head tiles (d 64: 128
+  // registers at 4 CTAs/SM) they would spill, and d 256 has too many pairs.
+  constexpr bool kPairLines = kB <= 4 && kN == 1;
+  // A tile's ring bytes are released once its V is in registers, before the softmax and PV. V then stays live
+  // across them, which spills with two head tiles at d 64 (128 registers) and d 256: those release after PV.
+  constexpr bool kEarlyRelease = kN == 1 || D == 128;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // The split merge (a programmatic dependent launch) may be scheduled once every CTA of this grid has started; it
@@ -356,9 +392,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
       }
 
   uint8_t* ring = smem + warp * C::kRingBytes;
-  // Per slot, where lane 0 put its tile in the ring (every lane reads it after the __syncwarp that follows fill).
-  int32_t* slot_start = reinterpret_cast<int32_t*>(smem + C::kPipeBytes) + warp * kSlots;
-  const uint32_t bars = smem_addr(smem + C::kPipeBytes + C::kSlotBytes) + warp * kSlots * 8;
+  const uint32_t bars = smem_addr(smem + C::kPipeBytes) + warp * kSlots * 8;
   if (lane == 0) {
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) mbar_init(bars + 8 * s);
@@ -369,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   // Tile table: records of the warp's tiles, two blocks of 32 (block k in half k % 2). At refresh(k) lane j plans
   // tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts the loads for block k + 1
   // (whose page ids it loaded at refresh(k - 1)) and the page ids of block k + 2: nothing waits on memory.
-  TileRec* table = reinterpret_cast<TileRec*>(smem + C::kPipeBytes + C::kSlotBytes + C::kBarBytes) + warp * 64;
+  TileRec* table = reinterpret_cast<TileRec*>(smem + C::kPipeBytes + C::kBarBytes) + warp * 64;
   auto page_id = [&](int i) { return i < n_mine ? __ldg(p.kv_indices + begin + tile_of(i) / tiles_per_page) : -1; };
   Entry<D> pending;
   load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, pending);
@@ -383,23 +417,24 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     __syncwarp();
   };
 
-  // Ring state (warp-uniform): bytes are counted monotonically; a tile that would wrap starts at the ring's start.
-  int issued = 0, head_pos = 0, tail_pos = 0;
+  // Ring state, the same in every lane: the ring's byte positions where the next tile goes (head) and where the
+  // oldest tile in it starts (tail), and the bytes in use between them. A tile that would run past the ring's end
+  // starts at 0, the bytes it skips counted as used until it is consumed; the consumer applies the same rule to the
+  // same sizes in the same order, so it finds each tile without a record per slot.
+  int issued = 0, head_at = 0, tail_at = 0, used = 0;
   auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
     while (issued < n_mine && issued - consumed < kSlots) {
       if (issued / 32 != refreshed) refresh(issued / 32);
       const TileRec& rec = table[(issued / 32 % 2) * 32 + issued % 32];
       const uint32_t bytes = rec.bytes;
       const int size = static_cast<int>((bytes & 0xFFFFu) + (bytes >> 16));
-      const int at = head_pos % C::kRingBytes;
-      const int start = at + size > C::kRingBytes ? head_pos + (C::kRingBytes - at) : head_pos;
-      if (start + size - tail_pos > C::kRingBytes) break;
-      const int slot = issued % kSlots;
-      if (lane == 0) {
-        issue_tile(p, rec, ring + start % C::kRingBytes, bars + 8 * slot);
-        slot_start[slot] = start;
-      }
-      head_pos = start + size;
+      const bool wrap = head_at + size > C::kRingBytes;
+      const int skip = wrap ? C::kRingBytes - head_at : 0;
+      if (used + skip + size > C::kRingBytes) break;
+      const int start = wrap ? 0 : head_at;
+      if (lane == 0) issue_tile(p, rec, ring + start, bars + 8 * (issued % kSlots));
+      head_at = start + size;
+      used += skip + size;
       ++issued;
     }
   };
@@ -422,17 +457,18 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   bool refused = false;  // a block of the request was refused: its out and lse become NaN
 
   if (n_mine > 0) fill(0);
-  __syncwarp();
   for (int i = 0; i < n_mine; ++i) {
-    const int slot = i % kSlots;
-    mbar_wait(bars + 8 * slot, (i / kSlots) & 1);  // tile i has landed
-    const int start = slot_start[slot];
-    const uint8_t* stage = ring + start % C::kRingBytes;
+    // Tile i's record and place in the ring are known before its bytes land: only the shared loads wait for them.
     const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
     const uint4 descs = rec.descs;
-    const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu, tile_bytes = k_bytes + (rec.bytes >> 16);
+    const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu;
+    const int size = static_cast<int>(k_bytes + (rec.bytes >> 16));
+    const bool wrap = tail_at + size > C::kRingBytes;
+    const int start = wrap ? 0 : tail_at;
+    const uint8_t* stage = ring + start;
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
+    mbar_wait(bars + 8 * (i % kSlots), (i / kSlots) & 1);  // tile i has landed
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
     const int lo = tile_of(i) == first_tile ? static_cast<int>(first % kTileTokens) : 0;  // first token kept
@@ -440,8 +476,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
     // The lane's registers of a stream's blocks (V's bytes follow K's). An all-compressed tile (every block of random
     // data, most tiles of real V) takes one straight line for both streams, V at a fixed offset (per-stream
     // conditions alone cost 5% at d 64: benchmarks/NOTES.md, v11). Otherwise a stream of one kind (all compressed or
-    // all raw) takes a straight line from its start, and a mixed one finds each block after the ones before it (raw
-    // 1024 bytes, compressed 768, refused 0).
+    // all raw) takes a straight line from its start, a mixed one the line of its raw-block pattern, and a refused one
+    // (or a mix at d 256) finds each block after the ones before it (raw 1024 bytes, compressed 768, refused 0).
     const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
     auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
       if (tile_comp) {
@@ -459,6 +495,12 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
       } else if (kind == kAllRaw) {
 #pragma unroll
         for (int c = 0; c < kB; ++c) rebuild_raw(base + kRawBlockBytes * c, lane, r[c]);
+      } else if (kPairLines && kind == kMixed) {
+        if constexpr (kPairLines) {
+          const uint32_t mask = (kinds >> (8 + 8 * kv)) & 0xFFu;
+          rebuild_pair<kB, 0>(mask, base, descs, kv * kB, lane, r);
+          if constexpr (kB == 4) rebuild_pair<kB, 2>(mask, base, descs, kv * kB, lane, r);
+        }
       } else {
         int off = 0;
 #pragma unroll
@@ -488,6 +530,31 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
         mma(s2[n], kr[c][2], kr[c][6], kr[c][3], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
       }
     }
+
+    uint32_t vr[kB][8];
+    rebuild_blocks(1, vr);
+    if (valid < kTileTokens || lo > 0) {
+      // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
+      // their V values, as 0 * NaN would poison the product although their probability is 0. Lane registers hold
+      // tokens 2t, 2t + 1 (even registers) and 2t + 8, 2t + 9 (odd registers).
+      auto kept = [&](int tok) { return tok >= lo && tok < valid; };
+      uint32_t vmask[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        vmask[j] = (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
+#pragma unroll
+      for (int c = 0; c < kB; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vr[c][j] &= vmask[j % 2];
+    }
+    // Tile i is in registers now: its ring bytes and slot can go to the next tile before the softmax and PV run.
+    auto release = [&] {
+      used -= (wrap ? C::kRingBytes - tail_at : 0) + size;
+      tail_at = start + size;
+      __syncwarp();  // every lane is done reading tile i before its bytes and slot are reused
+      fill(i + 1);
+    };
+    if constexpr (kEarlyRelease) release();
 
     // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its max.
     const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
@@ -538,22 +605,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
           for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
     }
 
-    uint32_t vr[kB][8];
-    rebuild_blocks(1, vr);
-    if (valid < kTileTokens || lo > 0) {
-      // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
-      // their V values, as 0 * NaN would poison the product although their probability is 0. Lane registers hold
-      // tokens 2t, 2t + 1 (even registers) and 2t + 8, 2t + 9 (odd registers).
-      auto kept = [&](int tok) { return tok >= lo && tok < valid; };
-      uint32_t vmask[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        vmask[j] = (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
-#pragma unroll
-      for (int c = 0; c < kB; ++c)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) vr[c][j] &= vmask[j % 2];
-    }
     // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are dims 32 c + 16 h + g (then + 8) of tokens 2t.. (even
     // words) and 2t + 8.. (odd words): the A registers of the 16-dim tile 2 c + h are words 0, 2, 1, 3 of the four.
 #pragma unroll
@@ -563,10 +614,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
 #pragma unroll
         for (int n = 0; n < kN; ++n)
           mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 2], vr[c][4 * h + 1], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
-    tail_pos = start + static_cast<int>(tile_bytes);
-    __syncwarp();            // every lane is done reading tile i before its bytes and slot are reused
-    fill(i + 1);
-    __syncwarp();            // lane 0's slot records are visible to the warp
+    if constexpr (!kEarlyRelease) release();
   }
 
   // Merge the warps' states (the pipeline buffers are free now): per head, m and l, and the unnormalised O.

@@ -40,8 +40,8 @@ void launch_kernel(const Params& p, cudaStream_t stream) {
 }
 
 // The variant serving a head_dim and group: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N tiles), and the
-// residency (CTAs per SM) each variant's registers allow (d 128: 147 registers -> 3, 208 with two head tiles -> 2;
-// d 64: <= 124 -> 4; d 256: 251 -> 1). benchmarks/NOTES.md measured 3 against 2 (v7, and v9 again) and 4 against 3; d 128 at 4
+// residency (CTAs per SM) each variant's registers allow (d 128: 160 registers -> 3, 218 with two head tiles -> 2;
+// d 64: <= 128 -> 4; d 256: 229 -> 1). benchmarks/NOTES.md measured 3 against 2 (v7, and v9 again) and 4 against 3; d 128 at 4
 // would leave a warp's ring too small for two raw tiles.
 // Calls f.template operator()<kHeadTiles, kCtas>().
 template <int D, typename F>
