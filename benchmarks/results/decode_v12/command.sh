@@ -21,3 +21,9 @@ done
 echo "sanitizers done at $((SECONDS - t0)) s" | tee -a $OUT/run.log
 timeout 80 python3 benchmarks/bench_format.py --out $OUT/format 2>&1 | tail -12 | tee -a $OUT/run.log
 echo "all done at $((SECONDS - t0)) s" | tee -a $OUT/run.log
+# Run 4 (a fresh machine, same commit): the full grid again (-> grid_run4.json), then 2K x 64 three more times
+# (-> repeat_2k64_*.json): the spread between calls on the case nearest its bars.
+timeout 200 python3 benchmarks/bench_decode.py --out $OUT/grid --iters 100 2>&1 | tail -9 | tee -a $OUT/run.log
+for r in 1 2 3; do
+  timeout 60 python3 benchmarks/bench_decode.py --out $OUT/r$r --iters 100 --cases llama:2048:64 2>&1 | tail -1 | tee -a $OUT/run.log
+done
