@@ -2,6 +2,10 @@
 # Session 13 run 1: decode v12 candidates, one build each, same call. Working tree = ring positions in registers +
 # one straight line per raw-block pattern (v12_ring_switch): decode tests, then a subset with FlashInfer; then the
 # other variants (HEAD v11, ring only, ring + early release, ring + early release + patterns) on the same subset.
+# The variant headers it copies in were working copies, not commits: v12_base = `git show 4a68b53:csrc/cuda/paged_decode.cuh`
+# (v11); v12_ring = v12 (1e7bd91) without early release and pair lines; v12_early = v12 without pair lines;
+# v12_early_switch / v12_ring_switch = those with whole-stream pattern lines (whole_stream_patterns.patch on v12_early);
+# v12_pairs = v12 as committed in 1e7bd91.
 set -uo pipefail
 export OUT=${OUT:-/tmp/zipkv-out}; mkdir -p $OUT
 export PYTHONPATH=/tmp/zipkv-site${PYTHONPATH:+:$PYTHONPATH} ZIPKV_REAL_KV=.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1

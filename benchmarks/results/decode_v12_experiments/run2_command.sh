@@ -2,6 +2,10 @@
 # Session 13 run 2: decode v12 (ring positions in registers, early release, pair lines for mixed streams at d <= 128):
 # decode tests, the full grid with FlashInfer, then the same subset for v12, v12 without pair lines
 # (v12_early) and v11 (v12_base), one build each, same call.
+# The variant headers it copies in were working copies, not commits: v12_base = `git show 4a68b53:csrc/cuda/paged_decode.cuh`
+# (v11); v12_ring = v12 (1e7bd91) without early release and pair lines; v12_early = v12 without pair lines;
+# v12_early_switch / v12_ring_switch = those with whole-stream pattern lines (whole_stream_patterns.patch on v12_early);
+# v12_pairs = v12 as committed in 1e7bd91.
 set -uo pipefail
 export OUT=${OUT:-/tmp/zipkv-out}; mkdir -p $OUT
 export PYTHONPATH=/tmp/zipkv-site${PYTHONPATH:+:$PYTHONPATH} ZIPKV_REAL_KV=.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1
