@@ -6,6 +6,7 @@
 // in a partial wave, each request's tiles are cut into `splits` chunks whose partial results a second kernel merges.
 // The workspace (partial outputs and lse) is sized by the same shapes.
 #include <ATen/ATen.h>
+#include <cstdlib>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -16,14 +17,16 @@
 namespace zipkv::cuda {
 namespace {
 
-constexpr int kMinTilesPerSplit = 2 * decode::kWarps;  // below this a split's pipeline is mostly prologue
-// The plan's cost model, in tiles: a CTA costs its tiles plus a fixed start/finish (pipeline fill, the warps' merge,
-// the epilogue); a split plan adds the merge kernel. Splitting must save 5% over no split, and of the split counts
-// within 3% of the best the fewest win (the model is no finer than that).
-constexpr double kCtaOverheadTiles = 8.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03;
+constexpr int kMinTilesPerWarp = 2;  // below this per warp a split's pipeline is mostly prologue
+// The plan's cost model, in tiles of SM time: a CTA costs its tiles plus a fixed start/finish per warp (pipeline fill,
+// the warps' merge, the epilogue); a split plan adds the merge kernel. Splitting must save 5% over no split, and of
+// the split counts within 3% of the best the fewest win (the model is no finer than that).
+constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03;
 // When CTAs outnumber the slots, SMs take new CTAs as old ones finish and end unevenly: the last CTAs started run
 // with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (benchmarks/NOTES.md, v7).
 constexpr double kTailCtaTimes = 1.5;
+// An SM streams at its full rate from 8 resident warps on (2 CTAs of 4; a lone CTA of 4 runs at about half).
+constexpr int kSaturatedWarps = 8;
 
 int num_sms(int device) {
   static int cached[64] = {0};
@@ -32,35 +35,69 @@ int num_sms(int device) {
   return n;
 }
 
-int occupancy(int head_dim, int group) {
+int occupancy(int head_dim, int group, int warps) {
   switch (head_dim) {
-    case 64: return decode::ctas_per_sm<64>(group);
-    case 128: return decode::ctas_per_sm<128>(group);
-    default: return decode::ctas_per_sm<256>(group);
+    case 64: return decode::ctas_per_sm<64>(group, warps);
+    case 128: return decode::ctas_per_sm<128>(group, warps);
+    default: return decode::ctas_per_sm<256>(group, warps);
   }
 }
 
-int plan_splits(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
-                int64_t window_left, int device) {
-  // Time of n CTAs in CTA-times per SM (an SM is saturated from 2 resident CTAs on): if they all fit at once, the
-  // busiest SM's share (a lone CTA runs at about half the rate); otherwise SMs share them evenly, plus the tail.
-  const int64_t sms = num_sms(device), residency = std::max(1, occupancy(head_dim, group));
-  const int64_t slots = sms * residency, ctas = batch * kv_heads, saturated = std::min<int64_t>(2, residency);
-  auto cta_times = [&](int64_t n) {
-    return n <= slots ? static_cast<double>(std::max(saturated, (n + sms - 1) / sms))
-                      : static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes;
+struct Plan {
+  int splits = 1, warps = 4;
+  double cost = 0.0;
+};
+
+// The best split count for CTAs of `warps` warps, and its modelled cost.
+Plan plan_for(int warps, int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
+              int64_t window_left, int device) {
+  // Time of n CTAs, each of `work` tiles, in tiles of SM time: if they all fit at once, the busiest SM's share at
+  // its rate (below kSaturatedWarps resident warps an SM streams proportionally slower); otherwise SMs share them
+  // evenly, plus the tail.
+  const int64_t sms = num_sms(device), residency = std::max(1, occupancy(head_dim, group, warps));
+  const int64_t slots = sms * residency, ctas = batch * kv_heads;
+  const int64_t saturated = std::min<int64_t>(kSaturatedWarps, residency * warps);
+  auto sm_time = [&](int64_t n, double work) {
+    if (n > slots) return (static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes) * work;
+    const int64_t k = (n + sms - 1) / sms;
+    return static_cast<double>(k) * work * static_cast<double>(saturated) /
+           static_cast<double>(std::min(saturated, k * warps));
   };
   double avg_tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
   if (window_left >= 0) avg_tiles = std::min(avg_tiles, static_cast<double>(window_left / kTileTokens + 2));
-  auto cost = [&](int s) { return cta_times(ctas * s) * (avg_tiles / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0); };
+  auto cost = [&](int s) {
+    return sm_time(ctas * s, avg_tiles / s + kOverheadTilesPerWarp * warps) + (s > 1 ? kMergeTiles : 0);
+  };
   int max_splits = 1;
-  while (max_splits < decode::kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerSplit) ++max_splits;
+  while (max_splits < decode::kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerWarp * warps) ++max_splits;
   double least = cost(1);
   for (int s = 2; s <= max_splits; ++s) least = std::min(least, cost(s));
-  if (cost(1) <= (1.0 + kSplitGain) * least) return 1;
+  Plan plan{1, warps, cost(1)};
+  if (plan.cost <= (1.0 + kSplitGain) * least) return plan;
   int s = 2;
   while (cost(s) > (1.0 + kNearBest) * least) ++s;
-  return s;
+  return Plan{s, warps, cost(s)};
+}
+
+int env_int(const char* name) {
+  const char* env = std::getenv(name);
+  return env == nullptr ? 0 : std::atoi(env);
+}
+
+// CTAs of 4 warps unless a variant of 6 (has_six_warps) is modelled to save kSplitGain: 4 is what every version of
+// the kernel was measured with. Experiment switches for the benchmarks (branch v13-six-warp-ctas, not for users):
+// ZIPKV_DECODE_WARPS=4 or 6 forces the warps, ZIPKV_DECODE_SPLITS=n the split count (clamped to 1..kMaxSplits).
+Plan plan_decode(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
+                 int64_t window_left, int device) {
+  // Read on every call (a getenv is ~0.1 us) so one benchmark process can sweep them.
+  const int forced_warps = env_int("ZIPKV_DECODE_WARPS"), forced_splits = env_int("ZIPKV_DECODE_SPLITS");
+  Plan plan = plan_for(4, batch, kv_heads, nnz_pages, page_size, head_dim, group, window_left, device);
+  if (decode::has_six_warps(head_dim, group) && forced_warps != 4) {
+    const Plan six = plan_for(6, batch, kv_heads, nnz_pages, page_size, head_dim, group, window_left, device);
+    if (forced_warps == 6 || six.cost * (1.0 + kSplitGain) < plan.cost) plan = six;
+  }
+  if (forced_splits > 0) plan.splits = std::min(forced_splits, decode::kMaxSplits);
+  return plan;
 }
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
@@ -100,7 +137,8 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
     p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
     p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
   }
-  p.num_splits = plan_splits(batch, H, p.nnz, p.page_size, D, p.group, window_left, q.get_device());
+  const Plan plan = plan_decode(batch, H, p.nnz, p.page_size, D, p.group, window_left, q.get_device());
+  p.num_splits = plan.splits;
 
   at::Tensor workspace;
   if (p.num_splits > 1) {
@@ -111,9 +149,9 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (D) {
-    case 64: decode::launch<64>(p, stream); break;
-    case 128: decode::launch<128>(p, stream); break;
-    default: decode::launch<256>(p, stream); break;  // check_geometry allowed only 64/128/256
+    case 64: decode::launch<64>(p, plan.warps, stream); break;
+    case 128: decode::launch<128>(p, plan.warps, stream); break;
+    default: decode::launch<256>(p, plan.warps, stream); break;  // check_geometry allowed only 64/128/256
   }
 }
 

@@ -2,9 +2,9 @@
 // single pass, copies them to shared memory still compressed (TMA bulk copies), rebuilds BF16 in registers right before
 // the tensor-core instruction, and keeps an online softmax in float32. Split-KV (flash-decoding) with a merge kernel.
 //
-// Work split: one CTA per (request, kv head, split). Its 4 warps take the split's 16-token tiles round-robin; each
-// warp runs its own pipeline through a byte ring in shared memory and its own online softmax; the warps' states
-// merge in shared memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so
+// Work split: one CTA per (request, kv head, split). Its warps (4; 6 in d 128's variant of 2 CTAs per SM) take the
+// split's 16-token tiles round-robin; each warp runs its own pipeline through a byte ring in shared memory and its own
+// online softmax; the warps' states merge in shared memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so
 // one lane moves a whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
 //
 // Page ids and meta rows are fetched long before use: once per block of 32 tiles each lane plans one tile of the
@@ -37,8 +37,6 @@
 
 namespace zipkv::cuda::decode {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
 constexpr int kMergeRows = 8;  // query rows (one warp each) per CTA of the split merge
 constexpr int kMaxSplits = 64;  // the merge's lanes hold two splits each
 constexpr float kLog2e = 1.4426950408889634f;
@@ -63,12 +61,13 @@ struct Params {
   float cap_log2, scale_cap;  // cap * log2(e), sm_scale / cap
 };
 
-// Geometry and pipeline depth per head_dim and target residency (kCtas CTAs per SM). Each warp owns a byte ring in
-// shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K bytes then V
-// bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds the tiles
-// in the ring at once (one mbarrier each).
-template <int D, int kCtas = 1>
+// Geometry and pipeline depth per head_dim, target residency (kCtas CTAs per SM) and warps per CTA. Each warp owns a
+// byte ring in shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K
+// bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds
+// the tiles in the ring at once (one mbarrier each).
+template <int D, int kCtas = 1, int kWarps = 4>
 struct Cfg {
+  static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
@@ -341,9 +340,9 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
-template <int D, int kHeadTiles, int kCtas>
-__global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Params p) {
-  using C = Cfg<D, kCtas>;
+template <int D, int kHeadTiles, int kCtas, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
+  using C = Cfg<D, kCtas, kWarps>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   // Mixed streams take rebuild_pair's lines at d 64 and 128 with one head tile; with two head tiles (d 64: 128
   // registers at 4 CTAs/SM) they would spill, and d 256 has too many pairs.
@@ -642,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) paged_decode_kernel(const Par
   __syncthreads();
 
   const float nan = __int_as_float(0x7FFFFFFF);
-  for (int x = threadIdx.x; x < p.group * D; x += kThreads) {
+  for (int x = threadIdx.x; x < p.group * D; x += C::kThreads) {
     const int row = x / D, dim = x % D;
     float m = -INFINITY;
 #pragma unroll
@@ -734,10 +733,15 @@ __global__ void __launch_bounds__(32 * kMergeRows) merge_splits_kernel(const Par
   if (p.lse != nullptr && lane == 0) p.lse[row] = nan ? qnan : l == 0.f ? -INFINITY : (m + log2f(l)) / kLog2e;
 }
 
+// d 128 with one head tile also comes as 2 CTAs of 6 warps per SM: the same 12 warps and ring bytes per SM as 3 CTAs
+// of 4, in fewer, larger CTAs, which the plan takes when they fill the SMs' slots more evenly.
+constexpr bool has_six_warps(int head_dim, int group) { return head_dim == 128 && group <= 8; }
+
 // Host side, one instantiation per head_dim (paged_decode_hd*.cu): occupancy of the kernel, and the launches.
+// warps: 4, or 6 where has_six_warps; other values mean 4.
 template <int D>
-int ctas_per_sm(int group);
+int ctas_per_sm(int group, int warps);
 template <int D>
-void launch(const Params& p, cudaStream_t stream);
+void launch(const Params& p, int warps, cudaStream_t stream);
 
 }  // namespace zipkv::cuda::decode

@@ -8,56 +8,67 @@
 
 namespace zipkv::cuda::decode {
 
-template <int D, int kHeadTiles, int kCtas>
+template <int D, int kHeadTiles, int kCtas, int kWarps>
 void set_smem_limit() {
   // Once per instantiation, outside any graph capture in practice (the first call of a program runs eagerly).
   static const bool done = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<D, kCtas>::kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Cfg<D, kCtas, kWarps>::kSmemBytes));
     return true;
   }();
   (void)done;
 }
 
-template <int D, int kHeadTiles, int kCtas>
+template <int D, int kHeadTiles, int kCtas, int kWarps>
 int occupancy() {
   // Once per instantiation, like the shared-memory limit it depends on.
   static const int n = [] {
-    set_smem_limit<D, kHeadTiles, kCtas>();
+    set_smem_limit<D, kHeadTiles, kCtas, kWarps>();
     int ctas = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, kHeadTiles, kCtas>,
-                                                                 kThreads, Cfg<D, kCtas>::kSmemBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &ctas, paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>, 32 * kWarps, Cfg<D, kCtas, kWarps>::kSmemBytes));
     return ctas;
   }();
   return n;
 }
 
-template <int D, int kHeadTiles, int kCtas>
+template <int D, int kHeadTiles, int kCtas, int kWarps>
 void launch_kernel(const Params& p, cudaStream_t stream) {
-  set_smem_limit<D, kHeadTiles, kCtas>();
+  set_smem_limit<D, kHeadTiles, kCtas, kWarps>();
   const unsigned int ctas = static_cast<unsigned int>(int64_t{p.batch} * p.H * p.num_splits);
-  paged_decode_kernel<D, kHeadTiles, kCtas><<<ctas, kThreads, Cfg<D, kCtas>::kSmemBytes, stream>>>(p);
+  paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>
+      <<<ctas, 32 * kWarps, Cfg<D, kCtas, kWarps>::kSmemBytes, stream>>>(p);
 }
 
-// The variant serving a head_dim and group: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N tiles), and the
-// residency (CTAs per SM) each variant's registers allow (d 128: 160 registers -> 3, 218 with two head tiles -> 2;
-// d 64: <= 128 -> 4; d 256: 229 -> 1). benchmarks/NOTES.md measured 3 against 2 (v7, and v9 again) and 4 against 3; d 128 at 4
-// would leave a warp's ring too small for two raw tiles.
-// Calls f.template operator()<kHeadTiles, kCtas>().
+// The variant serving a head_dim, group and warps per CTA: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N
+// tiles), and the residency (CTAs per SM) each variant's registers allow (d 128: 160 registers -> 3, 218 with two
+// head tiles -> 2; d 64: <= 128 -> 4; d 256: 229 -> 1). benchmarks/NOTES.md measured 3 against 2 (v7, and v9 again)
+// and 4 against 3; d 128 at 4 would leave a warp's ring too small for two raw tiles. d 128 with one head tile also
+// comes as 2 CTAs of 6 warps (has_six_warps).
+// Calls f.template operator()<kHeadTiles, kCtas, kWarps>().
+
 template <int D, typename F>
-auto dispatch(int group, F&& f) {
+auto dispatch(int group, int warps, F&& f) {
   constexpr int kOne = D == 64 ? 4 : D == 128 ? 3 : 1, kTwo = D == 64 ? 4 : D == 128 ? 2 : 1;
-  return group > 8 ? f.template operator()<2, kTwo>() : f.template operator()<1, kOne>();
+  if constexpr (D == 128) {
+    if (warps == 6 && has_six_warps(D, group)) return f.template operator()<1, 2, 6>();
+  }
+  return group > 8 ? f.template operator()<2, kTwo, 4>() : f.template operator()<1, kOne, 4>();
 }
 
 template <int D>
-int ctas_per_sm(int group) {
-  return dispatch<D>(group, []<int kHeadTiles, int kCtas>() { return occupancy<D, kHeadTiles, kCtas>(); });
+int ctas_per_sm(int group, int warps) {
+  return dispatch<D>(group, warps, []<int kHeadTiles, int kCtas, int kWarps>() {
+    return occupancy<D, kHeadTiles, kCtas, kWarps>();
+  });
 }
 
 template <int D>
-void launch(const Params& p, cudaStream_t stream) {
-  dispatch<D>(p.group, [&]<int kHeadTiles, int kCtas>() { launch_kernel<D, kHeadTiles, kCtas>(p, stream); });
+void launch(const Params& p, int warps, cudaStream_t stream) {
+  dispatch<D>(p.group, warps, [&]<int kHeadTiles, int kCtas, int kWarps>() {
+    launch_kernel<D, kHeadTiles, kCtas, kWarps>(p, stream);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
     // Programmatic dependent launch: the merge's CTAs start while the decode grid drains (launch latency hidden).
@@ -74,8 +85,8 @@ void launch(const Params& p, cudaStream_t stream) {
   }
 }
 
-#define ZIPKV_INSTANTIATE_DECODE(D)                         \
-  template int ctas_per_sm<D>(int group);                   \
-  template void launch<D>(const Params& p, cudaStream_t stream);
+#define ZIPKV_INSTANTIATE_DECODE(D)                               \
+  template int ctas_per_sm<D>(int group, int warps);              \
+  template void launch<D>(const Params& p, int warps, cudaStream_t stream);
 
 }  // namespace zipkv::cuda::decode
