@@ -141,6 +141,8 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
 
     kv = compressible_randn((num_pages, 2, PAGE, Hkv, D), gen).to(device)
     row = {"shape": shape["name"], "ctx": ctx, "batch": batch, "raw_kv_bytes": raw_bytes}
+    meta_shape = torch.empty(1, 2, Hkv, fmt.meta_words(PAGE, D), dtype=torch.int32, device=device)
+    row["plan"] = ops.decode_plan(q, meta_shape, num_pages, PAGE)  # split count and CTA layout of the zipkv cases
     results = {}
 
     def record(name, fn, nbytes, extra=None):

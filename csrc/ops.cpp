@@ -1,7 +1,8 @@
 // The only TORCH_LIBRARY(zipkv): every schema of the library, with the meaning and shape of each argument.
 // Backends add kernels with TORCH_LIBRARY_IMPL in csrc/cpu/*.cpp and csrc/cuda/*.cu; fakes live in
-// torch_zipkv/ops.py. Every op writes into caller-allocated tensors and returns (), so no output shape depends on
-// data and every op can be captured in a CUDA Graph. The storage format is defined in format.h.
+// torch_zipkv/ops.py. Every op but the host query decode_plan writes into caller-allocated tensors and returns (), so
+// no output shape depends on data and every such op can be captured in a CUDA Graph. The storage format is defined
+// in format.h.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -58,4 +59,9 @@ TORCH_LIBRARY(zipkv, m) {
       "paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, "
       "int window_left=-1, float logits_soft_cap=0.0) -> ()");
+
+  // The launch paged_decode makes on a CUDA device for these shapes, without running it (benchmarks, tests, capacity
+  // planning): {num_splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty batch. q and meta as above (only
+  // their shapes and device are read); nnz_pages = kv_indices' length. A host query: it is not for compiled graphs.
+  m.def("decode_plan(Tensor q, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> int[]");
 }

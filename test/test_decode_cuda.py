@@ -130,8 +130,58 @@ def test_split_and_unsplit_plans(gen, batch, heads, seq, D):
     lens = [seq - 7 * (b % 5) for b in range(batch)]
     n = sum((x + P - 1) // P for x in lens)
     kv = with_zeros(random_kv(n, P, heads, D, gen), gen)
+    plan = plan_of(batch, heads * 4, heads, D, n)
+    if batch <= 2:
+        assert plan["num_splits"] > 32, plan
+    else:
+        assert (plan["num_splits"] > 1) == (batch == 3), plan
+    assert plan["warps_per_cta"] == 4, plan  # no partial wave of 4-warp CTAs here: 6-warp CTAs are not taken
     out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3, lens, heads * 4, gen)
     check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+def plan_of(batch, num_qo_heads, num_kv_heads, head_dim, nnz_pages, page_size=16, window_left=-1):
+    """This device's launch plan for a decode of these shapes (only shapes are read)."""
+    q = torch.empty(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    meta = torch.empty(1, 2, num_kv_heads, fmt.meta_words(page_size, head_dim), dtype=torch.int32, device="cuda")
+    return torch_zipkv.ops.decode_plan(q, meta, nnz_pages, page_size, window_left)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_six_warp_ctas(gen, group):
+    """d 128: where 4-warp CTAs (3 per SM) would end in a partial wave, the plan runs one CTA of 6 warps (2 per SM)
+    per (request, kv head), a kernel variant of its own (benchmarks/NOTES.md v13). Find the smallest batch of ragged
+    ~600-token requests it takes, and check that variant against the reference and the CPU kernel."""
+    H, D, P = 4, 128, 16
+
+    def lens(batch):
+        return [600 - 37 * (b % 7) for b in range(batch)]
+
+    def plan(batch):
+        return plan_of(batch, H * group, H, D, sum((x + P - 1) // P for x in lens(batch)))
+
+    batch = next((b for b in range(1, 512) if plan(b)["warps_per_cta"] == 6), None)
+    assert batch is not None, "no batch takes the 6-warp CTAs"
+    assert plan(batch) == {"num_splits": 1, "warps_per_cta": 6, "ctas_per_sm": 2}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 3 * sms < batch * H <= 4 * sms  # only where 4-warp CTAs leave a partial wave, up to two 6-warp waves
+    seq_lens = lens(batch)
+    n = sum((x + P - 1) // P for x in seq_lens)
+    kv = with_zeros(random_kv(n, P, H, D, gen), gen)
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3, seq_lens, H * group,
+                                                       gen)
+    check(out_g, lse_g, out_c, ref, ref_lse)
+
+
+def test_decode_plan_layouts():
+    """Only d 128 with one MMA head tile (group <= 8) has 6-warp CTAs; an empty batch launches nothing."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for D, group, residency in ((64, 3, 4), (256, 2, 1), (128, 12, 2), (128, 16, 2)):
+        for batch in (1, 100, 4 * sms // 2, 1000):
+            plan = plan_of(batch, 2 * group, 2, D, batch * 128)
+            assert plan["warps_per_cta"] == 4 and plan["ctas_per_sm"] == residency, (D, group, batch, plan)
+    assert plan_of(0, 8, 2, 128, 0) == {"num_splits": 0, "warps_per_cta": 0, "ctas_per_sm": 0}
+    assert plan_of(16, 8, 2, 128, 16 * 128)["ctas_per_sm"] == 3
 
 
 @pytest.mark.parametrize("window_left", [0, 7, 15, 16, 100, 4000])

@@ -116,6 +116,13 @@ def test_decode_rejects_bad_q_out_lse(setup):
         decode(q, ckv, indptr.to("meta"), indices, last)
 
 
+def test_decode_plan_is_a_cuda_query(setup):
+    """The CPU kernel has no launch plan: asking for one on CPU tensors names q and its device."""
+    kv, ckv, q, indptr, indices, last = setup
+    with pytest.raises(ValueError, match="decode_plan: q must be on a CUDA device .* got cpu"):
+        torch_zipkv.decode_plan(q, ckv, indices)
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda m: m[..., 0].fill_(-1), "holds no stream"),
     (lambda m: m[..., 0].fill_(10**6), "points past the end of data"),

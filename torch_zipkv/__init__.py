@@ -5,7 +5,8 @@ The high-level API:
 
 - :func:`compress` turns BF16 pages ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` into a
   :class:`CompressedKV`; :func:`decompress` returns them bit-exactly.
-- :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table.
+- :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table;
+  :func:`decode_plan` tells the CUDA launch (split count, CTA layout) it would make.
 - :class:`CompressedPagedKVCache` keeps a model's KV cache compressed in a byte budget: sequences, appends, page
   tables, compression of full pages, capacity for the scheduler (:class:`CacheFullError` when something won't fit).
 - :class:`ZipKVCache` and :func:`enable` (HuggingFace transformers, imported on first use): a transformers ``Cache``
@@ -17,10 +18,10 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 from . import _C  # noqa: F401  (registers the zipkv ops)
 from . import ops
 from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep
-from .compressed_kv import CompressedKV, compress, decompress, paged_decode
+from .compressed_kv import CompressedKV, compress, decode_plan, decompress, paged_decode
 from .format import FORMAT_VERSION
 
-__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "ops", "FORMAT_VERSION",
+__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "decode_plan", "ops", "FORMAT_VERSION",
            "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable", "generate"]
 
 _TRANSFORMERS_NAMES = ("ZipKVCache", "enable", "generate")

@@ -154,3 +154,9 @@ def paged_decode(
         q, ckv.data, ckv.meta, kv_indptr, kv_indices, kv_last_page_len, ckv.page_size, sm_scale, out, lse,
         window_left, logits_soft_cap
     )
+
+
+def decode_plan(q: torch.Tensor, ckv: CompressedKV, kv_indices: torch.Tensor, *, window_left: int = -1) -> dict:
+    """The launch :func:`paged_decode` would make for ``q`` over ``ckv`` with this page list, on a CUDA device:
+    ``{"num_splits", "warps_per_cta", "ctas_per_sm"}`` (see :func:`torch_zipkv.ops.decode_plan`)."""
+    return ops.decode_plan(q, ckv.meta, kv_indices.shape[0], ckv.page_size, window_left)

@@ -93,6 +93,21 @@ def paged_decode(
     return out
 
 
+def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: int, window_left: int = -1) -> dict:
+    """The launch :func:`paged_decode` makes on a CUDA device for these shapes, without running it.
+
+    Returns ``{"num_splits", "warps_per_cta", "ctas_per_sm"}``: each (request, kv head) is cut into ``num_splits``
+    chunks (more than 1 adds the merge kernel); CTAs of ``warps_per_cta`` warps, ``ctas_per_sm`` resident per SM.
+    ``nnz_pages`` is the length of ``kv_indices``. Only shapes are read, so it never syncs. An empty batch gives
+    zeros (nothing is launched). A host query: call it outside compiled graphs.
+    """
+    if q.device.type != "cuda":
+        raise ValueError(f"zipkv.decode_plan: q must be on a CUDA device (the CPU kernel has no launch plan), got "
+                         f"{q.device}")
+    splits, warps, residency = zipkv.decode_plan(q, meta, nnz_pages, page_size, window_left)
+    return {"num_splits": splits, "warps_per_cta": warps, "ctas_per_sm": residency}
+
+
 # Fake kernels: check what the C++ kernels check from shapes alone, so errors surface while tracing.
 def _check(cond: bool, msg: str) -> None:
     torch._check(cond, lambda: msg)

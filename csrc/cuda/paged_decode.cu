@@ -1,15 +1,16 @@
-// CUDA op zipkv::paged_decode: argument checks, the split-KV plan, the workspace, and the dispatch on head_dim.
-// The kernels are in paged_decode.cuh.
+// CUDA op zipkv::paged_decode: argument checks, the split-KV plan, the workspace, and the dispatch on head_dim
+// (kernels in paged_decode.cuh); zipkv::decode_plan tells the plan without running it.
 //
 // The plan is made on the host from shapes alone (batch, kv heads, nnz pages), never from tensor contents, so the op
 // never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle or end
-// in a partial wave, each request's tiles are cut into `splits` chunks whose partial results a second kernel merges.
-// The workspace (partial outputs and lse) is sized by the same shapes.
+// in a partial wave, each request's tiles are cut into `splits` chunks whose partial results a second kernel merges,
+// or (d 128) CTAs of 6 warps fill the waves better than 4. The workspace (partial outputs and lse) is sized by the same shapes.
 #include <ATen/ATen.h>
-#include <cstdlib>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "../checks.h"
 #include "paged_decode.cuh"
@@ -20,8 +21,10 @@ namespace {
 constexpr int kMinTilesPerWarp = 2;  // below this per warp a split's pipeline is mostly prologue
 // The plan's cost model, in tiles of SM time: a CTA costs its tiles plus a fixed start/finish per warp (pipeline fill,
 // the warps' merge, the epilogue); a split plan adds the merge kernel. Splitting must save 5% over no split, and of
-// the split counts within 3% of the best the fewest win (the model is no finer than that).
-constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03;
+// the split counts within 3% of the best the fewest win (the model is no finer than that). A 6-warp layout must
+// save kSixGain (plan_decode).
+constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03,
+                 kSixGain = 0.02;
 // When CTAs outnumber the slots, SMs take new CTAs as old ones finish and end unevenly: the last CTAs started run
 // with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (benchmarks/NOTES.md, v7).
 constexpr double kTailCtaTimes = 1.5;
@@ -43,61 +46,76 @@ int occupancy(int head_dim, int group, int warps) {
   }
 }
 
-struct Plan {
-  int splits = 1, warps = 4;
-  double cost = 0.0;
+// Shapes the plan sees; the tile count is the batch's mean (ragged batches are planned as if even).
+struct Shape {
+  int64_t ctas;      // batch x kv_heads: one CTA each before splitting
+  double tiles;      // mean 16-token tiles per request inside the window
+  int head_dim, group, device;
 };
 
-// The best split count for CTAs of `warps` warps, and its modelled cost.
-Plan plan_for(int warps, int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
-              int64_t window_left, int device) {
-  // Time of n CTAs, each of `work` tiles, in tiles of SM time: if they all fit at once, the busiest SM's share at
-  // its rate (below kSaturatedWarps resident warps an SM streams proportionally slower); otherwise SMs share them
-  // evenly, plus the tail.
-  const int64_t sms = num_sms(device), residency = std::max(1, occupancy(head_dim, group, warps));
-  const int64_t slots = sms * residency, ctas = batch * kv_heads;
+struct Plan {
+  int splits = 1, warps = 4;
+};
+
+// Tiles of SM time that k CTAs of `warps` warps and `work` tiles each take on one SM, `residency` of them fitting at
+// once: an SM streams at its full rate from kSaturatedWarps resident warps on (or from all it can hold).
+double sm_time(int64_t k, double work, int warps, int64_t residency) {
   const int64_t saturated = std::min<int64_t>(kSaturatedWarps, residency * warps);
-  auto sm_time = [&](int64_t n, double work) {
-    if (n > slots) return (static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes) * work;
-    const int64_t k = (n + sms - 1) / sms;
-    return static_cast<double>(k) * work * static_cast<double>(saturated) /
-           static_cast<double>(std::min(saturated, k * warps));
-  };
-  double avg_tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
-  if (window_left >= 0) avg_tiles = std::min(avg_tiles, static_cast<double>(window_left / kTileTokens + 2));
+  return static_cast<double>(k) * work * static_cast<double>(saturated) /
+         static_cast<double>(std::min(saturated, k * warps));
+}
+
+// The split count for CTAs of 4 warps, from the fitted model: a CTA costs its tiles plus a start/finish per warp;
+// if all CTAs fit at once, the busiest SM's share at its rate, otherwise an even share plus the tail.
+int plan_splits(const Shape& x) {
+  constexpr int warps = 4;
+  const int64_t sms = num_sms(x.device), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
   auto cost = [&](int s) {
-    return sm_time(ctas * s, avg_tiles / s + kOverheadTilesPerWarp * warps) + (s > 1 ? kMergeTiles : 0);
+    const int64_t n = x.ctas * s;
+    const double work = x.tiles / s + kOverheadTilesPerWarp * warps;
+    const double t = n > sms * residency ? (static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes) * work
+                                         : sm_time((n + sms - 1) / sms, work, warps, residency);
+    return t + (s > 1 ? kMergeTiles : 0.0);
   };
   int max_splits = 1;
-  while (max_splits < decode::kMaxSplits && avg_tiles / (max_splits + 1) >= kMinTilesPerWarp * warps) ++max_splits;
+  while (max_splits < decode::kMaxSplits && x.tiles / (max_splits + 1) >= kMinTilesPerWarp * warps) ++max_splits;
   double least = cost(1);
   for (int s = 2; s <= max_splits; ++s) least = std::min(least, cost(s));
-  Plan plan{1, warps, cost(1)};
-  if (plan.cost <= (1.0 + kSplitGain) * least) return plan;
+  if (cost(1) <= (1.0 + kSplitGain) * least) return 1;
   int s = 2;
   while (cost(s) > (1.0 + kNearBest) * least) ++s;
-  return Plan{s, warps, cost(s)};
+  return s;
 }
 
-int env_int(const char* name) {
-  const char* env = std::getenv(name);
-  return env == nullptr ? 0 : std::atoi(env);
+// Time of `splits` x ctas equal CTAs of `warps` warps run as lockstep waves: each full wave costs an SM its resident
+// CTAs' work, the partial last wave the busiest SM's share at its rate. It ignores how uneven finishing smooths many
+// waves, so it only compares layouts at split counts already chosen, where a partial wave is what differs.
+double wave_time(const Shape& x, int splits, int warps) {
+  const int64_t sms = num_sms(x.device), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
+  const int64_t n = x.ctas * splits, full = n / (sms * residency), rest = n % (sms * residency);
+  const double work = x.tiles / splits + kOverheadTilesPerWarp * warps;
+  return static_cast<double>(full) * sm_time(residency, work, warps, residency) +
+         (rest > 0 ? sm_time((rest + sms - 1) / sms, work, warps, residency) : 0.0) + (splits > 1 ? kMergeTiles : 0.0);
 }
 
-// CTAs of 4 warps unless a variant of 6 (has_six_warps) is modelled to save kSplitGain: 4 is what every version of
-// the kernel was measured with. Experiment switches for the benchmarks (branch v13-six-warp-ctas, not for users):
-// ZIPKV_DECODE_WARPS=4 or 6 forces the warps, ZIPKV_DECODE_SPLITS=n the split count (clamped to 1..kMaxSplits).
-Plan plan_decode(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int page_size, int head_dim, int group,
-                 int64_t window_left, int device) {
-  // Read on every call (a getenv is ~0.1 us) so one benchmark process can sweep them.
-  const int forced_warps = env_int("ZIPKV_DECODE_WARPS"), forced_splits = env_int("ZIPKV_DECODE_SPLITS");
-  Plan plan = plan_for(4, batch, kv_heads, nnz_pages, page_size, head_dim, group, window_left, device);
-  if (decode::has_six_warps(head_dim, group) && forced_warps != 4) {
-    const Plan six = plan_for(6, batch, kv_heads, nnz_pages, page_size, head_dim, group, window_left, device);
-    if (forced_warps == 6 || six.cost * (1.0 + kSplitGain) < plan.cost) plan = six;
-  }
-  if (forced_splits > 0) plan.splits = std::min(forced_splits, decode::kMaxSplits);
-  return plan;
+// CTAs of 4 warps at plan_splits' count; where a 6-warp variant exists (has_six_warps), one unsplit CTA of 6 warps
+// per (request, kv head) instead if its waves are kSixGain faster. On the H200, 6 x 2 per SM has 264 slots and
+// 4 x 3 has 396: 512 CTAs fill 1.94 waves of the first and 1.29 of the second. Measured (benchmarks/NOTES.md, v13):
+// 2K x 64 112.8 -> 105.4 us, 8K x 64 381.9 -> 379.3; split 6-warp CTAs never beat the 4-warp plan.
+// Only up to two waves of 6-warp CTAs, where the waves model was measured to hold (over more waves uneven finishing
+// blurs them and the two layouts measured the same).
+Plan plan_decode(const Shape& x) {
+  const Plan four{plan_splits(x), 4};
+  if (!decode::has_six_warps(x.head_dim, x.group)) return four;
+  if (x.ctas > 2 * num_sms(x.device) * occupancy(x.head_dim, x.group, 6)) return four;
+  return wave_time(x, 1, 6) * (1.0 + kSixGain) < wave_time(x, four.splits, 4) ? Plan{1, 6} : four;
+}
+
+Shape decode_shape(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int64_t page_size, int head_dim, int group,
+                   int64_t window_left, int device) {
+  double tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
+  if (window_left >= 0) tiles = std::min(tiles, static_cast<double>(window_left / kTileTokens + 2));
+  return Shape{batch * kv_heads, tiles, head_dim, group, device};
 }
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
@@ -137,7 +155,7 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
     p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
     p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
   }
-  const Plan plan = plan_decode(batch, H, p.nnz, p.page_size, D, p.group, window_left, q.get_device());
+  const Plan plan = plan_decode(decode_shape(batch, H, p.nnz, page_size, D, p.group, window_left, q.get_device()));
   p.num_splits = plan.splits;
 
   at::Tensor workspace;
@@ -155,8 +173,32 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
   }
 }
 
+// The plan paged_decode would make for these shapes: {splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty
+// batch, which launches nothing.
+std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages,
+                                      int64_t page_size, int64_t window_left) {
+  const char* op = "decode_plan";
+  check_tensor(q, op, "q", at::kBFloat16, 3, q.device());
+  check_geometry(op, page_size, q.size(2));
+  TORCH_CHECK(meta.dim() == 4 && meta.size(2) > 0 && q.size(1) % meta.size(2) == 0, "zipkv.decode_plan: meta must ",
+              "be [num_pages, 2, num_kv_heads, meta_words] with num_kv_heads dividing q's ", q.size(1), " heads");
+  const int64_t group = q.size(1) / meta.size(2);
+  TORCH_CHECK(group >= 1 && group <= 16, "zipkv.decode_plan: GQA group size must be in [1, 16], got ", group);
+  TORCH_CHECK(nnz_pages >= 0, "zipkv.decode_plan: nnz_pages must be >= 0, got ", nnz_pages);
+  TORCH_CHECK(window_left >= -1, "zipkv.decode_plan: window_left must be -1 (no window) or >= 0, got ", window_left);
+  if (q.size(0) == 0 || q.size(1) == 0) return {0, 0, 0};
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int D = q.size(2);
+  const Plan plan = plan_decode(
+      decode_shape(q.size(0), meta.size(2), nnz_pages, page_size, D, group, window_left, q.get_device()));
+  return {plan.splits, plan.warps, occupancy(D, static_cast<int>(group), plan.warps)};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zipkv, CUDA, m) { m.impl("paged_decode", &paged_decode_cuda); }
+TORCH_LIBRARY_IMPL(zipkv, CUDA, m) {
+  m.impl("paged_decode", &paged_decode_cuda);
+  m.impl("decode_plan", &decode_plan_cuda);
+}
 
 }  // namespace zipkv::cuda
