@@ -102,12 +102,14 @@ double wave_time(const Shape& x, int splits, int warps) {
 // per (request, kv head) instead if its waves are kSixGain faster. On the H200, 6 x 2 per SM has 264 slots and
 // 4 x 3 has 396: 512 CTAs fill 1.94 waves of the first and 1.29 of the second. Measured (benchmarks/NOTES.md, v13):
 // 2K x 64 112.8 -> 105.4 us, 8K x 64 381.9 -> 379.3; split 6-warp CTAs never beat the 4-warp plan.
-// Only up to two waves of 6-warp CTAs, where the waves model was measured to hold (over more waves uneven finishing
-// blurs them and the two layouts measured the same).
+// Only from more CTAs than 4-warp slots (fewer make no partial wave: the split plan was measured there) up to two
+// waves of 6-warp CTAs (over more, uneven finishing blurs the waves and the two layouts measured the same).
 Plan plan_decode(const Shape& x) {
   const Plan four{plan_splits(x), 4};
   if (!decode::has_six_warps(x.head_dim, x.group)) return four;
-  if (x.ctas > 2 * num_sms(x.device) * occupancy(x.head_dim, x.group, 6)) return four;
+  const int64_t sms = num_sms(x.device);
+  if (x.ctas <= sms * occupancy(x.head_dim, x.group, 4) || x.ctas > 2 * sms * occupancy(x.head_dim, x.group, 6))
+    return four;
   return wave_time(x, 1, 6) * (1.0 + kSixGain) < wave_time(x, four.splits, 4) ? Plan{1, 6} : four;
 }
 
