@@ -4,7 +4,8 @@
 // The plan is made on the host from shapes alone (batch, kv heads, nnz pages), never from tensor contents, so the op
 // never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle or end
 // in a partial wave, each request's tiles are cut into `splits` chunks whose partial results a second kernel merges,
-// or (d 128) CTAs of 6 warps fill the waves better than 4. The workspace (partial outputs and lse) is sized by the same shapes.
+// or (d 128) CTAs of 6 warps fill the waves better than 4. The workspace (partial outputs and lse) is sized by the
+// same shapes.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

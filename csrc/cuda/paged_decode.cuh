@@ -2,10 +2,11 @@
 // single pass, copies them to shared memory still compressed (TMA bulk copies), rebuilds BF16 in registers right before
 // the tensor-core instruction, and keeps an online softmax in float32. Split-KV (flash-decoding) with a merge kernel.
 //
-// Work split: one CTA per (request, kv head, split). Its warps (4; 6 in d 128's variant of 2 CTAs per SM) take the
-// split's 16-token tiles round-robin; each warp runs its own pipeline through a byte ring in shared memory and its own
-// online softmax; the warps' states merge in shared memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so
-// one lane moves a whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
+// Work split: one CTA per (request, kv head, split). Its warps (4; 6 in d 128's variant of 2 CTAs per SM, which the
+// plan takes where 4-warp CTAs would end in a partial wave) take the split's 16-token tiles round-robin; each warp runs
+// its own pipeline through a byte ring in shared memory and its own online softmax; the warps' states merge in shared
+// memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so one lane moves a
+// whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
 //
 // Page ids and meta rows are fetched long before use: once per block of 32 tiles each lane plans one tile of the
 // next block (from meta words it started loading a block earlier) into a tile table in shared memory, so issuing a

@@ -47,7 +47,6 @@ void launch_kernel(const Params& p, cudaStream_t stream) {
 // and 4 against 3; d 128 at 4 would leave a warp's ring too small for two raw tiles. d 128 with one head tile also
 // comes as 2 CTAs of 6 warps (has_six_warps).
 // Calls f.template operator()<kHeadTiles, kCtas, kWarps>().
-
 template <int D, typename F>
 auto dispatch(int group, int warps, F&& f) {
   constexpr int kOne = D == 64 ? 4 : D == 128 ? 3 : 1, kTwo = D == 64 ? 4 : D == 128 ? 2 : 1;

@@ -21,3 +21,5 @@ echo "grid done at $((SECONDS - t0)) s" | tee -a $OUT/run.log
 cp .box/v13_switch/paged_decode.cu csrc/cuda/paged_decode.cu && rm $OUT/build.log && bash .box/box.sh build || exit 1
 timeout 120 python3 benchmarks/results/decode_v13_experiments/real_like_sweep.py $OUT 2>&1 | tail -25 > $OUT/real_like_sweep.log
 echo "all done at $((SECONDS - t0)) s" | tee -a $OUT/run.log
+# Run 3 (same commit as this script's final state, after the split-plan test fix; -> run3.log):
+#   bash .box/box.sh build && python3 -m pytest -q test/test_decode_cuda.py test/test_errors.py test/test_cuda.py
