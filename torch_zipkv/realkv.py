@@ -199,7 +199,7 @@ def real_kv(
 ) -> torch.Tensor:
     """The KV cache of one SmolLM2 bf16 prefill over ``num_tokens`` tokens of English text.
 
-    Returns a contiguous bf16 tensor of shape
+    Returns a contiguous bf16 CPU tensor of shape
     ``[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]``
     (``[30, num_tokens // page_size, 2, page_size, 3, 64]`` for SmolLM2): dim 2 is K then
     V, and token ``t`` sits in page ``t // page_size``, slot ``t % page_size``. That is
@@ -249,7 +249,7 @@ def _prefill_kv(text: str, num_tokens: int, page_size: int) -> torch.Tensor:
             f"The text tokenized to only {ids.shape[1]} tokens, fewer than {num_tokens}; "
             "raise _CHARS_PER_TOKEN."
         )
-    ids = ids[:, :num_tokens]
+    ids = ids[:, :num_tokens].to(model.device)  # the cached model is shared: a caller may have moved it
 
     cache = transformers.DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -274,4 +274,4 @@ def _prefill_kv(text: str, num_tokens: int, page_size: int) -> torch.Tensor:
             for t in (layer.keys, layer.values)
         )
         layers.append(torch.stack((k, v), dim=1))
-    return torch.stack(layers).contiguous()
+    return torch.stack(layers).cpu().contiguous()
