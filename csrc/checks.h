@@ -95,6 +95,15 @@ inline void check_append_args(const at::Tensor& k, const at::Tensor& v, const at
   check_index(op, "slots", slots, k.size(0), data.device());
 }
 
+// q's heads in GQA groups of 1-16 per kv head (num_kv_heads: meta's, -1 when meta has the wrong rank).
+inline void check_group(const char* op, int64_t num_qo_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0, "zipkv.", op, ": q has ", num_qo_heads,
+              " heads, not a multiple of meta's ", num_kv_heads, " kv heads");
+  const int64_t group = num_qo_heads / num_kv_heads;
+  TORCH_CHECK(group >= 1 && group <= 16, "zipkv.", op, ": GQA group size (num_qo_heads / num_kv_heads) must be in",
+              " [1, 16], got ", group);
+}
+
 inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                               const at::Tensor& kv_last_page_len, int64_t page_size, const at::Tensor& out,
@@ -110,11 +119,7 @@ inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const
   const int64_t num_kv_heads = meta.dim() == 4 ? meta.size(2) : -1;
   check_storage(op, data, meta, page_size, q.size(2), num_kv_heads);
   const int64_t batch = q.size(0), num_qo_heads = q.size(1);
-  TORCH_CHECK(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0, "zipkv.paged_decode: q has ", num_qo_heads,
-              " heads, not a multiple of meta's ", num_kv_heads, " kv heads");
-  const int64_t group = num_qo_heads / num_kv_heads;
-  TORCH_CHECK(group >= 1 && group <= 16, "zipkv.paged_decode: GQA group size (num_qo_heads / num_kv_heads) must be in",
-              " [1, 16], got ", group);
+  check_group(op, num_qo_heads, num_kv_heads);
   check_index(op, "kv_indptr", kv_indptr, batch + 1, device);
   check_tensor(kv_indices, op, "kv_indices", at::kInt, 1, device);
   check_index(op, "kv_last_page_len", kv_last_page_len, batch, device);

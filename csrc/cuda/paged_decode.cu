@@ -183,13 +183,12 @@ std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& met
   const char* op = "decode_plan";
   check_tensor(q, op, "q", at::kBFloat16, 3, q.device());
   check_geometry(op, page_size, q.size(2));
-  TORCH_CHECK(meta.dim() == 4 && meta.size(2) > 0 && q.size(1) % meta.size(2) == 0, "zipkv.decode_plan: meta must ",
-              "be [num_pages, 2, num_kv_heads, meta_words] with num_kv_heads dividing q's ", q.size(1), " heads");
+  TORCH_CHECK(meta.dim() == 4, "zipkv.decode_plan: meta must be [num_pages, 2, num_kv_heads, meta_words]");
+  check_group(op, q.size(1), meta.size(2));
   const int64_t group = q.size(1) / meta.size(2);
-  TORCH_CHECK(group >= 1 && group <= 16, "zipkv.decode_plan: GQA group size must be in [1, 16], got ", group);
   TORCH_CHECK(nnz_pages >= 0, "zipkv.decode_plan: nnz_pages must be >= 0, got ", nnz_pages);
   TORCH_CHECK(window_left >= -1, "zipkv.decode_plan: window_left must be -1 (no window) or >= 0, got ", window_left);
-  if (q.size(0) == 0 || q.size(1) == 0) return {0, 0, 0};
+  if (q.size(0) == 0) return {0, 0, 0};
   const c10::cuda::CUDAGuard guard(q.device());
   const int D = q.size(2);
   const Plan plan = plan_decode(
