@@ -23,13 +23,15 @@
 //
 // Position order inside a block (why: the decode kernel feeds mma.sync.m16n8k16 straight from 16-byte loads).
 // Lane = 4 g + t of a warp owns positions [16 lane, 16 lane + 16): 16 low bytes (one 16-byte load) and 8 code
-// bytes (one 8-byte load), which rebuild the lane's B-operand registers in mma order.
-//   K (token-major B of S = Q K^T; N = 8 tokens, K = 16 dims): lane holds tokens {g, g+8} and, of each 16-dim
-//     chunk, dims {2t, 2t+1, 2t+8, 2t+9}:   pos = 16 lane + 8 (tok / 8) + 4 (dim / 16) + i,
-//     with g = tok % 8, w = dim % 16, t = (w % 8) / 2, i = 2 (w / 8) + w % 2.
-//   V (dim-major B of O = P V; N = 8 dims, K = 16 tokens): lane holds dims {g, g+8, g+16, g+24} and tokens
-//     {2t, 2t+1, 2t+8, 2t+9}:                pos = 16 lane + 4 (dim / 8) + i,
-//     with g = dim % 8, t = (tok % 8) / 2, i = 2 (tok / 8) + tok % 2.
+// bytes (one 8-byte load), which rebuild the lane's A-operand registers in mma order. Word m of a lane (positions
+// 2m, 2m + 1) is register m % 4 of the A fragment of 16-dim half m / 4 of the block, so each 16-byte half of a raw
+// lane (and each code word's four rebuilt words) is one mma's A operand as it stands (format version 3).
+//   K (token-major A of S^T = K Q^T; M = 16 tokens, K = 16 dims): lane holds tokens {g, g+8} and, of each 16-dim
+//     half, dims {2t, 2t+1, 2t+8, 2t+9}:   pos = 16 lane + 8 (dim / 16) + 4 (w / 8) + 2 (tok / 8) + w % 2,
+//     with g = tok % 8, w = dim % 16, t = (w % 8) / 2.
+//   V (dim-major A of O^T = V^T P^T; M = 16 dims, K = 16 tokens): lane holds dims {g, g+8, g+16, g+24} and tokens
+//     {2t, 2t+1, 2t+8, 2t+9}:              pos = 16 lane + 8 (dim / 16) + 4 (tok / 8) + 2 (dim / 8 % 2) + tok % 2,
+//     with g = dim % 8, t = (tok % 8) / 2.
 //   (tok in [0, 16) within the tile, dim in [0, 32) within the block.) Consecutive position pairs (2i, 2i+1) are the
 //   two halves of one bf16x2 register, low half first.
 // A raw block keeps the lane's 32 bytes in two 16-byte pieces 512 bytes apart (format version 2; version 1 kept them
@@ -53,7 +55,7 @@
 
 namespace zipkv {
 
-constexpr int kFormatVersion = 2;
+constexpr int kFormatVersion = 3;
 constexpr int kTileTokens = 16;
 constexpr int kBlockDims = 32;
 constexpr int kBlockValues = kTileTokens * kBlockDims;  // 512
@@ -79,12 +81,12 @@ ZIPKV_HD bool desc_valid(uint8_t desc) { return desc <= kDescRaw; }
 
 // Position of (tok, dim) inside its block; tok in [0, 16), dim in [0, 32).
 ZIPKV_HD int k_position(int tok, int dim) {
-  const int g = tok % 8, w = dim % 16, t = (w % 8) / 2, i = 2 * (w / 8) + w % 2;
-  return 16 * (4 * g + t) + 8 * (tok / 8) + 4 * (dim / 16) + i;
+  const int g = tok % 8, w = dim % 16, t = (w % 8) / 2;
+  return 16 * (4 * g + t) + 8 * (dim / 16) + 4 * (w / 8) + 2 * (tok / 8) + w % 2;
 }
 ZIPKV_HD int v_position(int tok, int dim) {
-  const int g = dim % 8, t = (tok % 8) / 2, i = 2 * (tok / 8) + tok % 2;
-  return 16 * (4 * g + t) + 4 * (dim / 8) + i;
+  const int g = dim % 8, t = (tok % 8) / 2;
+  return 16 * (4 * g + t) + 8 * (dim / 16) + 4 * (tok / 8) + 2 * (dim / 8 % 2) + tok % 2;
 }
 // is_v: 0 for K, 1 for V (the page's second index).
 ZIPKV_HD int position(int is_v, int tok, int dim) { return is_v ? v_position(tok, dim) : k_position(tok, dim); }

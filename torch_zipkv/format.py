@@ -3,7 +3,7 @@
 test/test_format.py checks that these agree with the compiled kernels' bytes.
 """
 
-FORMAT_VERSION = 2  # 2: a raw block keeps each lane's 16 values as two 16-byte pieces 512 bytes apart
+FORMAT_VERSION = 3  # 3: a lane's words in mma A-operand register order (docs/FORMAT.md, Versioning)
 TILE_TOKENS = 16  # tokens of one block
 BLOCK_DIMS = 32  # dims of one block
 BLOCK_VALUES = TILE_TOKENS * BLOCK_DIMS  # 512

@@ -9,16 +9,18 @@ from . import format as fmt
 
 
 def lane_coords(is_v: bool) -> list[tuple[int, int]]:
-    """(token, dim) of each of the 512 positions of a block, read off the mma.sync.m16n8k16 B-operand fragments:
-    lane 4g+t holds, in order, the values it feeds to the tensor cores (docs/FORMAT.md)."""
+    """(token, dim) of each of the 512 positions of a block, read off the mma.sync.m16n8k16 A-operand fragments:
+    lane 4g+t holds, in order, the values it feeds to the tensor cores (docs/FORMAT.md): word m (positions 2m, 2m+1)
+    is register m % 4 of the A fragment of the block's 16-dim half m // 4."""
     coords = []
     for g in range(8):
         for t in range(4):
-            pairs = [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
-            if is_v:  # B of P·V: dim g + 8j of 4 n-tiles, tokens {2t, 2t+1, 2t+8, 2t+9}
-                coords += [(tok, g + 8 * j) for j in range(4) for tok in pairs]
-            else:  # B of Q·Kᵀ: tokens g and g+8 (2 n-tiles), dims 16c + {2t, 2t+1, 2t+8, 2t+9} of 2 k-chunks
-                coords += [(g + 8 * nt, 16 * c + d) for nt in range(2) for c in range(2) for d in pairs]
+            if is_v:  # A of Vᵀ·Pᵀ: rows dims g (+8) of each 16-dim half, columns tokens 2t, 2t+1 (+8)
+                coords += [(8 * tb + 2 * t + b, 16 * h + 8 * db + g)
+                           for h in range(2) for tb in range(2) for db in range(2) for b in range(2)]
+            else:  # A of K·Qᵀ: rows tokens g (+8), columns dims 2t, 2t+1 (+8) of each 16-dim half
+                coords += [(g + 8 * tb, 16 * h + 8 * db + 2 * t + b)
+                           for h in range(2) for db in range(2) for tb in range(2) for b in range(2)]
     return coords
 
 

@@ -11,8 +11,8 @@
 namespace zipkv::cuda {
 
 constexpr int kWarp = 32;
-// One block staged in shared memory, rows of 32 dims padded to 20 words: the K gather (rows g, words 8cc + t) and
-// the V gather (rows 2t, words 4j + g/2) then hit 32 distinct banks, and 16-byte row chunks stay aligned.
+// One block staged in shared memory, rows of 32 dims padded to 20 words: the 8 row addresses of an ldmatrix (or
+// stmatrix) phase then hit 8 distinct 16-byte bank groups, and 16-byte row chunks stay aligned.
 constexpr int kRowWords = 20;
 constexpr int kStageWords = kTileTokens * kRowWords;
 
@@ -54,12 +54,13 @@ __device__ __forceinline__ void store_stage_to_block(const uint32_t* stage, uint
 
 // The lane's 16 positions of a staged block are 8 words (word m = positions 2m, 2m + 1, low half first), and
 // format.h's position order is the mma fragment order, which is ldmatrix's: word m is the lane's fragment of one
-// 8x8 matrix of the stage (K: tokens 8 (m / 4).., dims 8 (m % 4)..; V, transposed: tokens 8 (m % 2).., dims
-// 8 (m / 2)..). So two ldmatrix.x4 (stmatrix.x4 back) move a lane's words, 16 bytes per row address.
+// 8x8 matrix of the stage (K: tokens 8 (m % 2).., dims 8 (m / 2)..; V, transposed: tokens 8 (m / 2 % 2).., dims
+// 8 (2 (m / 4) + m % 2)..). So two ldmatrix.x4 (stmatrix.x4 back) move a lane's words, 16 bytes per row address.
 // The stage word this lane addresses in call c (words 4c..4c+3): row r % 8 of matrix j = r / 8.
 __device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane) {
   const int j = lane / 8, r = lane % 8;
-  return is_v ? (8 * (j % 2) + r) * kRowWords + 4 * (2 * c + j / 2) : (8 * c + r) * kRowWords + 4 * j;
+  return is_v ? (8 * (j / 2) + r) * kRowWords + 4 * (2 * c + j % 2)
+              : (8 * (j % 2) + r) * kRowWords + 4 * (2 * c + j / 2);
 }
 
 __device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v, int lane, uint32_t w[8]) {

@@ -20,8 +20,9 @@
 //   O^T = V^T P^T: M = 16 dims, N = 8 heads, K = 16 tokens. The A operand is V dim-major (format.h's V positions);
 //     P^T is S^T's accumulators in bf16, moved into B-operand order by two movmatrix.trans per tile.
 // A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or two 16-byte pieces 512 bytes apart
-// (raw, format v2); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h
-// decode_high_bytes) and 8 byte permutes, or are those registers as loaded.
+// (raw); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes)
+// and 8 byte permutes, or are those registers as loaded. Position order is A-operand register order (format v3), so
+// each group of four words is one mma's A operand as it stands.
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
 // out of range, a missing stream, an invalid descriptor, a stream past the end of data or an inconsistent page-table
@@ -516,7 +517,8 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 
     // S^T = K Q^T for 16 tokens: s[n] holds tokens g (0, 1) and g + 8 (2, 3) of heads 8 n + 2t, 8 n + 2t + 1. The
     // two 16-dim halves of each 32-dim block accumulate separately (two shorter dependent mma chains). A block's K
-    // words are (token g, g + 8) x (dims 2t.., 2t + 8..) of its two 16-dim halves: words 0, 4, 1, 5 and 2, 6, 3, 7.
+    // words 0-3 are the A registers of its first 16-dim half, 4-7 those of its second (format.h, version 3): the
+    // rebuilt or loaded words go to the tensor cores with no register moves in between.
     float s[kN][4], s2[kN][4];
 #pragma unroll
     for (int n = 0; n < kN; ++n)
@@ -526,8 +528,8 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     for (int c = 0; c < kB; ++c) {
 #pragma unroll
       for (int n = 0; n < kN; ++n) {
-        mma(s[n], kr[c][0], kr[c][4], kr[c][1], kr[c][5], qb[n][2 * c][0], qb[n][2 * c][1]);
-        mma(s2[n], kr[c][2], kr[c][6], kr[c][3], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
+        mma(s[n], kr[c][0], kr[c][1], kr[c][2], kr[c][3], qb[n][2 * c][0], qb[n][2 * c][1]);
+        mma(s2[n], kr[c][4], kr[c][5], kr[c][6], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
       }
     }
 
@@ -535,8 +537,8 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     rebuild_blocks(1, vr);
     if (valid < kTileTokens || lo > 0) {
       // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
-      // their V values, as 0 * NaN would poison the product although their probability is 0. Lane registers hold
-      // tokens 2t, 2t + 1 (even registers) and 2t + 8, 2t + 9 (odd registers).
+      // their V values, as 0 * NaN would poison the product although their probability is 0. Lane word j holds
+      // tokens 2t, 2t + 1 (j / 2 even) or 2t + 8, 2t + 9 (j / 2 odd).
       auto kept = [&](int tok) { return tok >= lo && tok < valid; };
       uint32_t vmask[2];
 #pragma unroll
@@ -545,7 +547,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 #pragma unroll
       for (int c = 0; c < kB; ++c)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) vr[c][j] &= vmask[j % 2];
+        for (int j = 0; j < 8; ++j) vr[c][j] &= vmask[j / 2 % 2];
     }
     // Tile i is in registers now: its ring bytes and slot can go to the next tile before the softmax and PV run.
     auto release = [&] {
@@ -605,15 +607,15 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
           for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
     }
 
-    // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are dims 32 c + 16 h + g (then + 8) of tokens 2t.. (even
-    // words) and 2t + 8.. (odd words): the A registers of the 16-dim tile 2 c + h are words 0, 2, 1, 3 of the four.
+    // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are, in order, the A registers of its 16-dim tile 2 c + h
+    // (dims 32 c + 16 h + g, then + 8, of tokens 2t.., then 2t + 8..).
 #pragma unroll
     for (int c = 0; c < kB; ++c)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int n = 0; n < kN; ++n)
-          mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 2], vr[c][4 * h + 1], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
+          mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 1], vr[c][4 * h + 2], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
     if constexpr (!kEarlyRelease) release();
   }
 
