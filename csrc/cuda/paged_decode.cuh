@@ -42,6 +42,7 @@ namespace zipkv::cuda::decode {
 constexpr int kMergeRows = 8;  // query rows (one warp each) per CTA of the split merge
 constexpr int kMaxSplits = 64;  // the merge's lanes hold two splits each
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kMaxSlack = 8.f;  // log2 of the largest softmax weight a tile may take before the max is updated
 constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block was not copied; the request becomes NaN
 
 struct Params {
@@ -558,7 +559,11 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     };
     if constexpr (kEarlyRelease) release();
 
-    // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its max.
+    // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its running max m_run. A tile
+    // whose logits all stay within kMaxSlack of m_run is weighed against the stale m_run as it is: its weights stay
+    // below 2^kMaxSlack (as exact in float32 and bf16 as weights below 1), so it needs no cross-lane max and no
+    // rescale of O. Only a tile where some lane's logit passes m_run + kMaxSlack (a head's first tile, rarely a later
+    // one) takes the full update: the max over the head's lanes, then l and O rescaled to it.
     const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
     float x[kN][4];
     if (p.cap_log2 > 0.f) {
@@ -572,39 +577,50 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 #pragma unroll
         for (int j = 0; j < 4; ++j) x[n][j] = (s[n][j] + s2[n][j]) * p.scale_log2;
     }
-    uint32_t pb[kN][2];
-    float alpha[kN][2];
-    bool moved = false;
+    bool grow = false;
 #pragma unroll
-    for (int n = 0; n < kN; ++n) {
+    for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         x[n][j] = keep_lo ? x[n][j] : -INFINITY;
         x[n][2 + j] = keep_hi ? x[n][2 + j] : -INFINITY;
-        float mx = fmaxf(x[n][j], x[n][2 + j]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
-        const float m_new = fmaxf(m_run[n][j], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: avoid (-inf) - (-inf)
-        alpha[n][j] = m_new == m_run[n][j] ? 1.f : exp2_approx(m_run[n][j] - m_use);
-        moved |= m_new != m_run[n][j];
-        m_run[n][j] = m_new;
-        x[n][j] = exp2_approx(x[n][j] - m_use);
-        x[n][2 + j] = exp2_approx(x[n][2 + j] - m_use);
-        l_run[n][j] = l_run[n][j] * alpha[n][j] + x[n][j] + x[n][2 + j];
+        grow |= fmaxf(x[n][j], x[n][2 + j]) > m_run[n][j] + kMaxSlack;  // m_run = -inf: any kept token
       }
-      // P^T for the PV product: tokens 2t, 2t + 1 (then 2t + 8, 2t + 9) of head 8 n + g.
-      pb[n][0] = transpose8x8(pack_bf16(x[n][0], x[n][1]));
-      pb[n][1] = transpose8x8(pack_bf16(x[n][2], x[n][3]));
-    }
-    if (__any_sync(0xFFFFFFFFu, moved)) {  // once the max settles, most tiles move no head's max
+    if (__any_sync(0xFFFFFFFFu, grow)) {
+      float alpha[kN][2];
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float mx = fmaxf(x[n][j], x[n][2 + j]);
+          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+          const float m_new = fmaxf(m_run[n][j], mx);
+          alpha[n][j] = m_new == m_run[n][j] ? 1.f : exp2_approx(m_run[n][j] - m_new);  // m_run = -inf: 0
+          l_run[n][j] *= alpha[n][j];
+          m_run[n][j] = m_new;
+        }
 #pragma unroll
       for (int mt = 0; mt < D / 16; ++mt)
 #pragma unroll
         for (int n = 0; n < kN; ++n)
 #pragma unroll
           for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
+    }
+    uint32_t pb[kN][2];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float m_use = m_run[n][j] == -INFINITY ? 0.f : m_run[n][j];  // all masked so far: avoid -inf - -inf
+        x[n][j] = exp2_approx(x[n][j] - m_use);
+        x[n][2 + j] = exp2_approx(x[n][2 + j] - m_use);
+        l_run[n][j] += x[n][j] + x[n][2 + j];
+      }
+      // P^T for the PV product: tokens 2t, 2t + 1 (then 2t + 8, 2t + 9) of head 8 n + g.
+      pb[n][0] = transpose8x8(pack_bf16(x[n][0], x[n][1]));
+      pb[n][1] = transpose8x8(pack_bf16(x[n][2], x[n][3]));
     }
 
     // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are, in order, the A registers of its 16-dim tile 2 c + h
