@@ -112,7 +112,7 @@ def test_compress_false_stores_raw_and_sizes_add_up(gen):
 
 
 def test_raw_block_keeps_each_lane_as_two_16_byte_pieces():
-    # FORMAT.md v2: lane L's positions 16L..16L+7 at bytes 16L.., 16L+8..16L+15 at 512 + 16L... Each value here is
+    # FORMAT.md (since v2): lane L's positions 16L..16L+7 at bytes 16L.., 16L+8..16L+15 at 512 + 16L... Each value here is
     # its own (token, dim) index, so the bytes say where the kernel put every value.
     tok, dim = torch.meshgrid(torch.arange(16), torch.arange(32), indexing="ij")
     ids = (tok * 32 + dim).to(torch.int16)  # [16, 32], all distinct
