@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 15, call 5 (carry .box/box.sh, .box/gg_b, .box/data; right after call 4): every box test but test_compile
-# (the box lacks expecttest), then the SmolLM2 HF tests and the demo on the GPU (.box/gg_b/run.sh).
+# (the box lacks expecttest), then the SmolLM2 HF tests and the demo on the GPU (.box/gg_b/run.sh, the same file as
+# ../smollm2_gpu_h200_v13/run.sh; its logs are in ../smollm2_gpu_h200_v14/).
 set -uo pipefail
 export OUT=${OUT:-/tmp/zipkv-out}; mkdir -p $OUT
 export ZIPKV_REAL_KV=.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1
