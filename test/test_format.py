@@ -112,8 +112,8 @@ def test_compress_false_stores_raw_and_sizes_add_up(gen):
 
 
 def test_raw_block_keeps_each_lane_as_two_16_byte_pieces():
-    # FORMAT.md (since v2): lane L's positions 16L..16L+7 at bytes 16L.., 16L+8..16L+15 at 512 + 16L... Each value here is
-    # its own (token, dim) index, so the bytes say where the kernel put every value.
+    # FORMAT.md (since v2): lane L's positions 16L..16L+7 at bytes 16L.., 16L+8..16L+15 at 512 + 16L... Each value
+    # here is its own (token, dim) index, so the bytes say where the kernel put every value.
     tok, dim = torch.meshgrid(torch.arange(16), torch.arange(32), indexing="ij")
     ids = (tok * 32 + dim).to(torch.int16)  # [16, 32], all distinct
     kv = ids.view(torch.bfloat16).view(1, 1, 16, 1, 32).expand(1, 2, 16, 1, 32).contiguous()
@@ -127,6 +127,23 @@ def test_raw_block_keeps_each_lane_as_two_16_byte_pieces():
                 t, d = coords[16 * lane + i]
                 slot = (0 if i < 8 else 256) + 8 * lane + i % 8
                 assert int(words[is_v, 1, slot]) == t * 32 + d, (is_v, lane, i)
+
+
+def test_lane_words_are_mma_a_fragments():
+    # FORMAT.md v3, stated from the PTX ISA's A fragment of mma.m16n8k16 (lane 4g+t: a0 = (row g, cols 2t, 2t+1),
+    # a1 = row g+8, a2 = cols 2t+8.., a3 = both): word m of a lane is register m % 4 of the fragment of 16-dim half
+    # m // 4. K's rows are tokens and its columns dims (S^T = K Q^T); V's rows are dims, its columns tokens.
+    for is_v in (False, True):
+        coords = reference.lane_coords(is_v)
+        assert sorted(coords) == [(t, d) for t in range(16) for d in range(32)]
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for m in range(8):
+                reg, half = m % 4, m // 4
+                row, col = g + 8 * (reg % 2), 2 * t + 8 * (reg // 2)
+                for b in range(2):  # the two bf16 halves of the register: columns col, col + 1
+                    want = (col + b, 16 * half + row) if is_v else (row, 16 * half + col + b)
+                    assert coords[16 * lane + 2 * m + b] == want, (is_v, lane, m, b)
 
 
 def test_mixed_raw_and_compressed_pages_share_one_arena(gen):
