@@ -85,7 +85,7 @@ def test_smollm2_greedy_generate_matches_default_on_cuda(smollm2):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_real_kv_prefill_runs_where_the_shared_model_is(smollm2, tmp_path):
+def test_smollm2_real_kv_prefill_runs_where_the_shared_model_is(smollm2, tmp_path):
     """load_smollm2's model is cached and shared: real_kv's prefill must work when a caller has moved it to the GPU
     (the demo once did, and its real-KV part then failed on mixed devices), give a CPU tensor, and match the CPU
     prefill's K and V to bf16 rounding of a different kernel."""
