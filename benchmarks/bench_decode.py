@@ -5,7 +5,11 @@ FlashInfer 0.6.12 (CUDA-core and tensor-core decode) and torch SDPA on contiguou
 
 Method (DESIGN.md §5): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
 KV per request, pages in random order, L2 flushed before every timed call (by reading a 256 MB buffer), median of
---iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64). Data:
+--iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64).
+Every variant of a case is timed round-robin (one call of each per round, the order rotated every round), so a slow or
+fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as the gaps
+we measure (benchmarks/NOTES.md, v14). Speedups are ratios of medians; "paired" speedups are medians of the
+per-round ratios. Data:
 - random:    Gaussian BF16 pages with magnitudes below 2^-8 lifted to +-2^-8, so that every block compresses (the
              issue's "all blocks compressible" case; plain randn leaves ~5% of blocks raw, from rare tiny values).
 - real-like: every 16 x 64 K or V stream drawn from SmolLM2-135M's real cache (model package or $ZIPKV_REAL_KV),
@@ -38,27 +42,38 @@ SMOLLM2 = dict(name="smollm2", Hq=9, Hkv=3, D=64)
 PAGE = 16
 
 
-def time_cuda(fn, iters: int, flush: torch.Tensor, write_flush: bool = False) -> float:
-    """Median µs of fn() over iters calls, L2 flushed (untimed) before each.
+def time_round_robin(fns: dict, iters: int, flush: torch.Tensor, write_flush: bool = False) -> dict:
+    """µs of each fn() over iters rounds (after 3 untimed ones), L2 flushed (untimed) before every call.
 
+    One round calls every fn once, in an order rotated by one each round, so drifts of the GPU's speed over the
+    case's seconds fall on every variant alike and per-round ratios pair calls made moments apart.
     The flush reads a buffer 5x the L2, which leaves L2 holding only clean lines. A flush that writes the buffer
     (zero_(), Triton's do_bench habit) leaves ~50 MB of dirty lines whose write-back then runs inside the timed call:
-    15-50 µs of DRAM time, varying between runs (benchmarks/NOTES.md, v10). --write-flush keeps that method.
+    15-50 µs of DRAM time, varying between runs (benchmarks/NOTES.md, v10). --write-flush keeps that method. The
+    flush also keeps the host's launch overhead out of the timing: the start event waits behind it on the GPU.
     """
-    times = []
+    names = list(fns)
+    times = {n: [] for n in names}
     for i in range(iters + 3):
-        if write_flush:
-            flush.zero_()
-        else:
-            flush.max()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            if write_flush:
+                flush.zero_()
+            else:
+                flush.max()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            end.synchronize()
+            if i >= 3:
+                times[name].append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def paired_speedup(base: list, other: list) -> float:
+    """Median over rounds of base / other (same-round calls)."""
+    return statistics.median(b / o for b, o in zip(base, other))
 
 
 def real_streams(device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,25 +158,24 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     row = {"shape": shape["name"], "ctx": ctx, "batch": batch, "raw_kv_bytes": raw_bytes}
     meta_shape = torch.empty(1, 2, Hkv, fmt.meta_words(PAGE, D), dtype=torch.int32, device=device)
     row["plan"] = ops.decode_plan(q, meta_shape, num_pages, PAGE)  # split count and CTA layout of the zipkv cases
-    results = {}
+    fns, info, outs, keep = {}, {}, {}, []
 
-    def record(name, fn, nbytes, extra=None):
-        us = time_cuda(fn, iters, flush, write_flush)
-        results[name] = {"us": us, "bytes_read": nbytes, "TBps": nbytes / us / 1e6, "raw_TBps": raw_bytes / us / 1e6,
-                         **(extra or {})}
+    def add(name, fn, nbytes, extra=None):
+        fns[name] = fn
+        info[name] = {"bytes_read": nbytes, **(extra or {})}
 
-    outs = {}
-    for name, ckv in (("zipkv_random", store(kv, True)), ("zipkv_raw", store(kv, False))):
+    for name, allow in (("zipkv_random", True), ("zipkv_raw", False)):
+        ckv = store(kv, allow)
         out = torch.empty_like(q)
         fn = lambda ckv=ckv, out=out: torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, out=out)  # noqa: E731
         fn()
         outs[name] = out
-        record(name, fn, ckv.nbytes, {"stored_ratio": ckv.ratio, "compressed_blocks": ckv.compressed_block_fraction})
-        del ckv
+        keep.append(ckv)
+        add(name, fn, ckv.nbytes, {"stored_ratio": ckv.ratio, "compressed_blocks": ckv.compressed_block_fraction})
     wrappers, fi_version = flashinfer_wrappers(indptr, indices, last, shape, device) if flashinfer else ({}, None)
     for name, w in wrappers.items():
         outs[name] = w.run(q, kv)
-        record(name, lambda w=w: w.run(q, kv), raw_bytes)
+        add(name, lambda w=w: w.run(q, kv), raw_bytes)
     # torch SDPA on contiguous KV [batch, Hkv, ctx, D], request b's tokens in order.
     tokens = kv[indices.long()].view(batch, pages_per_req, 2, PAGE, Hkv, D)
     k = tokens[:, :, 0].permute(0, 3, 1, 2, 4).reshape(batch, Hkv, ctx, D).contiguous()
@@ -169,19 +183,25 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     del tokens
     sdpa = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)  # noqa: E731
     outs["sdpa"] = sdpa().squeeze(2)
-    record("sdpa_contiguous", sdpa, raw_bytes)
-    del k, v
+    add("sdpa_contiguous", sdpa, raw_bytes)
 
     # Real-KV-like pages: same page table, other data.
     kv_real = real_like_pages(num_pages, Hkv, D, streams, gen)
-    ckv = store(kv_real, True)
-    out = torch.empty_like(q)
-    fn = lambda: torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, out=out)  # noqa: E731
-    record("zipkv_real_like", fn, ckv.nbytes, {"stored_ratio": ckv.ratio,
-                                               "compressed_blocks": ckv.compressed_block_fraction})
+    ckv_real = store(kv_real, True)
+    out_real = torch.empty_like(q)
+    add("zipkv_real_like", lambda: torch_zipkv.paged_decode(q, ckv_real, indptr, indices, last, sm_scale=scale,
+                                                            out=out_real),
+        ckv_real.nbytes, {"stored_ratio": ckv_real.ratio, "compressed_blocks": ckv_real.compressed_block_fraction})
     if "flashinfer_tc" in wrappers:
-        record("flashinfer_tc_real_like", lambda: wrappers["flashinfer_tc"].run(q, kv_real), raw_bytes)
-    del ckv, kv_real
+        add("flashinfer_tc_real_like", lambda: wrappers["flashinfer_tc"].run(q, kv_real), raw_bytes)
+
+    times = time_round_robin(fns, iters, flush, write_flush)
+    results = {}
+    for name, ts in times.items():
+        us = statistics.median(ts)
+        results[name] = {"us": us, "TBps": info[name]["bytes_read"] / us / 1e6, "raw_TBps": raw_bytes / us / 1e6,
+                         **info[name]}
+    del fns, keep, k, v, kv_real, ckv_real
 
     # Sanity: raw and compressed storage of the same values give the same bits; FlashInfer agrees to bf16 rounding.
     row["raw_equals_compressed_bits"] = torch.equal(outs["zipkv_random"], outs["zipkv_raw"])
@@ -193,6 +213,8 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
         best = min(fi)
         for name in ("zipkv_random", "zipkv_raw", "zipkv_real_like"):
             results[name]["speedup_vs_best_flashinfer"] = best / results[name]["us"]
+            if "flashinfer_tc" in times:
+                results[name]["paired_speedup_vs_flashinfer_tc"] = paired_speedup(times["flashinfer_tc"], times[name])
         if "flashinfer_tc_real_like" in results:
             results["zipkv_real_like"]["speedup_vs_flashinfer_same_data"] = (
                 results["flashinfer_tc_real_like"]["us"] / results["zipkv_real_like"]["us"])
@@ -228,17 +250,19 @@ def main() -> None:
     rows = []
     hdr = f"{'shape':10} {'ctx':>5} {'bs':>3} | " + " ".join(
         f"{n:>14}" for n in ("zipkv_random", "zipkv_real", "zipkv_raw", "fi_cuda_core", "fi_tensor", "sdpa")) + \
-        " | speedup rnd/real/raw"
+        " | speedup rnd/real/raw | paired vs TC"
     print(hdr)
     for shape, ctx, batch in cases:
         row = run_case(shape, ctx, batch, args.iters, streams, flush, gen, not args.no_flashinfer, args.write_flush)
         rows.append(row)
         r = row["results"]
         cell = lambda n: f"{r[n]['us']:8.1f} µs" if n in r else f"{'-':>11}"  # noqa: E731
-        sp = lambda n: f"{r[n].get('speedup_vs_best_flashinfer', float('nan')):.3f}"  # noqa: E731
+        sp = lambda n, k="speedup_vs_best_flashinfer": f"{r[n].get(k, float('nan')):.3f}"  # noqa: E731
+        pp = lambda n: sp(n, "paired_speedup_vs_flashinfer_tc")  # noqa: E731
         print(f"{shape['name']:10} {ctx:5} {batch:3} | " + " ".join(f"{cell(n):>14}" for n in (
             "zipkv_random", "zipkv_real_like", "zipkv_raw", "flashinfer_cc", "flashinfer_tc", "sdpa_contiguous")) +
-            f" | {sp('zipkv_random')}/{sp('zipkv_real_like')}/{sp('zipkv_raw')}", flush=True)
+            f" | {sp('zipkv_random')}/{sp('zipkv_real_like')}/{sp('zipkv_raw')}"
+            f" | {pp('zipkv_random')}/{pp('zipkv_real_like')}/{pp('zipkv_raw')}", flush=True)
         torch.cuda.empty_cache()
     flush_how = "writing 256 MB (dirty lines)" if args.write_flush else "reading 256 MB (clean lines)"
     result = {
@@ -247,8 +271,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "iters": args.iters,
-        "method": f"median of CUDA-event timings, L2 flushed before each call by {flush_how}, separate KV per "
-                  "request, random page order, page 16",
+        "method": f"median of CUDA-event timings, the variants of a case timed round-robin (order rotated each "
+                  f"round), L2 flushed before each call by {flush_how}, separate KV per request, random page order, "
+                  "page 16",
         "cases": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
