@@ -6,8 +6,8 @@ FlashInfer 0.6.12 (CUDA-core and tensor-core decode) and torch SDPA on contiguou
 Method (DESIGN.md §5): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
 KV per request, pages in random order, L2 flushed before every timed call (by reading a 256 MB buffer), median of
 --iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64).
-Every variant of a case is timed round-robin (one call of each per round, the order rotated every round), so a slow or
-fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as the gaps
+Every variant of a case is timed round-robin (one call of each per round, in a fresh random order each round), so a
+slow or fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as the gaps
 we measure (benchmarks/NOTES.md, v14). Speedups are ratios of medians; "paired" speedups are medians of the
 per-round ratios. Data:
 - random:    Gaussian BF16 pages with magnitudes below 2^-8 lifted to +-2^-8, so that every block compresses (the
@@ -37,30 +37,36 @@ import torch_zipkv
 from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
+PAD_CYCLES = 400_000  # ~200-400 µs of GPU spin before each timed call (time_round_robin)
 LLAMA = dict(name="llama3-8b", Hq=32, Hkv=8, D=128)
 SMOLLM2 = dict(name="smollm2", Hq=9, Hkv=3, D=64)
 PAGE = 16
 
 
-def time_round_robin(fns: dict, iters: int, flush: torch.Tensor, write_flush: bool = False) -> dict:
+def time_round_robin(fns: dict, iters: int, flush: torch.Tensor, write_flush: bool = False,
+                     pad_cycles: int = PAD_CYCLES) -> dict:
     """µs of each fn() over iters rounds (after 3 untimed ones), L2 flushed (untimed) before every call.
 
-    One round calls every fn once, in an order rotated by one each round, so drifts of the GPU's speed over the
-    case's seconds fall on every variant alike and per-round ratios pair calls made moments apart.
-    The flush reads a buffer 5x the L2, which leaves L2 holding only clean lines. A flush that writes the buffer
-    (zero_(), Triton's do_bench habit) leaves ~50 MB of dirty lines whose write-back then runs inside the timed call:
-    15-50 µs of DRAM time, varying between runs (benchmarks/NOTES.md, v10). --write-flush keeps that method. The
-    flush also keeps the host's launch overhead out of the timing: the start event waits behind it on the GPU.
+    One round calls every fn once, in a fresh random order, so drifts of the GPU's speed over the case's seconds
+    fall on every variant alike, no variant always follows the same other one, and per-round ratios pair calls made
+    moments apart. The flush reads a buffer 5x the L2, which leaves L2 holding only clean lines. A flush that writes
+    the buffer (zero_(), Triton's do_bench habit) leaves ~50 MB of dirty lines whose write-back then runs inside the
+    timed call: 15-50 µs of DRAM time, varying between runs (benchmarks/NOTES.md, v10). --write-flush keeps that
+    method. A GPU spin of pad_cycles between the flush and the start event keeps the host's launch overhead (Python
+    wrappers: FlashInfer's run() takes tens of µs) out of the timing: the GPU is still busy when fn() enqueues.
     """
     names = list(fns)
     times = {n: [] for n in names}
+    order = torch.Generator().manual_seed(1)
     for i in range(iters + 3):
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
+        for j in torch.randperm(len(names), generator=order).tolist():
+            name = names[j]
             if write_flush:
                 flush.zero_()
             else:
                 flush.max()
+            if pad_cycles:
+                torch.cuda._sleep(pad_cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fns[name]()
@@ -271,9 +277,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "iters": args.iters,
-        "method": f"median of CUDA-event timings, the variants of a case timed round-robin (order rotated each "
-                  f"round), L2 flushed before each call by {flush_how}, separate KV per request, random page order, "
-                  "page 16",
+        "method": f"median of CUDA-event timings, the variants of a case timed round-robin (random order each "
+                  f"round), L2 flushed before each call by {flush_how}, then a GPU spin of {PAD_CYCLES} cycles so "
+                  "host launch overhead stays out of the timing, separate KV per request, random page order, page 16",
         "cases": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

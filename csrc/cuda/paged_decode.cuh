@@ -299,10 +299,9 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
 }
 
 // Lane 0 starts the tile's two bulk copies (K bytes, then V bytes right after) into dst on the slot's mbarrier.
-template <bool kFence = true>
 __device__ __forceinline__ void issue_tile(const Params& p, const TileRec& t, uint8_t* dst, uint32_t bar) {
   const uint32_t kb = t.bytes & 0xFFFFu, vb = t.bytes >> 16;
-  if constexpr (kFence) fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
+  fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
   mbar_arrive_expect(bar, kb + vb);
   if (kb) bulk_copy(smem_addr(dst), p.data + uint64_t{t.src[0]} * kStreamAlign, kb, bar);
   if (vb) bulk_copy(smem_addr(dst + kb), p.data + uint64_t{t.src[1]} * kStreamAlign, vb, bar);
@@ -344,9 +343,8 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
-template <int D, int kHeadTiles, int kCtas, int kWarps, int kExp = 0>
+template <int D, int kHeadTiles, int kCtas, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
-  constexpr bool kExpOneBlock = kExp & 1, kExpFourChains = kExp & 2, kExpLateLoads = kExp & 4, kExpNoFence = kExp & 8;
   using C = Cfg<D, kCtas, kWarps>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   // Mixed streams take rebuild_pair's lines at d 64 and 128 with one head tile; with two head tiles (d 64: 128
@@ -413,13 +411,10 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, pending);
   int32_t ids_next = page_id(32 + lane);
   int refreshed = -1;
-  auto refresh_loads = [&](int k) {
-    load_entry<D>(p, head, ids_next, tile_of(32 * (k + 1) + lane) % tiles_per_page, pending);
-    ids_next = page_id(32 * (k + 2) + lane);
-  };
   auto refresh = [&](int k) {
     table[(k % 2) * 32 + lane] = plan_tile<D>(p, tile_of(32 * k + lane) % tiles_per_page, pending);
-    if constexpr (!kExpLateLoads) refresh_loads(k);
+    load_entry<D>(p, head, ids_next, tile_of(32 * (k + 1) + lane) % tiles_per_page, pending);
+    ids_next = page_id(32 * (k + 2) + lane);
     refreshed = k;
     __syncwarp();
   };
@@ -430,9 +425,8 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // same sizes in the same order, so it finds each tile without a record per slot.
   int issued = 0, head_at = 0, tail_at = 0, used = 0;
   auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
-    int late = -1;
     while (issued < n_mine && issued - consumed < kSlots) {
-      if (issued / 32 != refreshed) refresh(late = issued / 32);
+      if (issued / 32 != refreshed) refresh(issued / 32);
       const TileRec& rec = table[(issued / 32 % 2) * 32 + issued % 32];
       const uint32_t bytes = rec.bytes;
       const int size = static_cast<int>((bytes & 0xFFFFu) + (bytes >> 16));
@@ -440,13 +434,10 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       const int skip = wrap ? C::kRingBytes - head_at : 0;
       if (used + skip + size > C::kRingBytes) break;
       const int start = wrap ? 0 : head_at;
-      if (lane == 0) issue_tile<!kExpNoFence>(p, rec, ring + start, bars + 8 * (issued % kSlots));
+      if (lane == 0) issue_tile(p, rec, ring + start, bars + 8 * (issued % kSlots));
       head_at = start + size;
       used += skip + size;
       ++issued;
-    }
-    if constexpr (kExpLateLoads) {
-      if (late >= 0) refresh_loads(late);
     }
   };
 
@@ -522,47 +513,29 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
         }
       }
     };
-    uint32_t kr[kB][8], vr[kB][8];
+    uint32_t kr[kB][8];
+    rebuild_blocks(0, kr);
+
     // S^T = K Q^T for 16 tokens: s[n] holds tokens g (0, 1) and g + 8 (2, 3) of heads 8 n + 2t, 8 n + 2t + 1. The
     // two 16-dim halves of each 32-dim block accumulate separately (two shorter dependent mma chains). A block's K
     // words 0-3 are the A registers of its first 16-dim half, 4-7 those of its second (format.h, version 3): the
     // rebuilt or loaded words go to the tensor cores with no register moves in between.
-    constexpr int kChains = kExpFourChains && kB >= 2 ? 4 : 2;
-    float sc[kChains][kN][4];
-#pragma unroll
-    for (int h = 0; h < kChains; ++h)
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) sc[h][n][j] = 0.f;
-    auto qk = [&] {
-#pragma unroll
-      for (int c = 0; c < kB; ++c) {
-        const int ch = kChains == 4 ? 2 * (c % 2) : 0;
-#pragma unroll
-        for (int n = 0; n < kN; ++n) {
-          mma(sc[ch][n], kr[c][0], kr[c][1], kr[c][2], kr[c][3], qb[n][2 * c][0], qb[n][2 * c][1]);
-          mma(sc[ch + 1][n], kr[c][4], kr[c][5], kr[c][6], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
-        }
-      }
-    };
-    if (kExpOneBlock && tile_comp) {
-      rebuild_blocks(0, kr);
-      rebuild_blocks(1, vr);
-      qk();
-    } else {
-      rebuild_blocks(0, kr);
-      qk();
-      rebuild_blocks(1, vr);
-    }
-    float s[kN][4];
+    float s[kN][4], s2[kN][4];
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[n][j] = sc[0][n][j] + sc[1][n][j];
-        if constexpr (kChains == 4) s[n][j] += sc[2][n][j] + sc[3][n][j];
+      for (int j = 0; j < 4; ++j) s[n][j] = 0.f, s2[n][j] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kB; ++c) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        mma(s[n], kr[c][0], kr[c][1], kr[c][2], kr[c][3], qb[n][2 * c][0], qb[n][2 * c][1]);
+        mma(s2[n], kr[c][4], kr[c][5], kr[c][6], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
       }
+    }
+
+    uint32_t vr[kB][8];
+    rebuild_blocks(1, vr);
     if (valid < kTileTokens || lo > 0) {
       // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
       // their V values, as 0 * NaN would poison the product although their probability is 0. Lane word j holds
@@ -597,12 +570,12 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 #pragma unroll
       for (int n = 0; n < kN; ++n)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) x[n][j] = p.cap_log2 * tanhf(s[n][j] * p.scale_cap);
+        for (int j = 0; j < 4; ++j) x[n][j] = p.cap_log2 * tanhf((s[n][j] + s2[n][j]) * p.scale_cap);
     } else {
 #pragma unroll
       for (int n = 0; n < kN; ++n)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) x[n][j] = s[n][j] * p.scale_log2;
+        for (int j = 0; j < 4; ++j) x[n][j] = (s[n][j] + s2[n][j]) * p.scale_log2;
     }
     bool grow = false;
 #pragma unroll

@@ -4,17 +4,15 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include <cstdlib>
-
 #include "paged_decode.cuh"
 
 namespace zipkv::cuda::decode {
 
-template <int D, int kHeadTiles, int kCtas, int kWarps, int kExp = 0>
+template <int D, int kHeadTiles, int kCtas, int kWarps>
 void set_smem_limit() {
   // Once per instantiation, outside any graph capture in practice (the first call of a program runs eagerly).
   static const bool done = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas, kWarps, kExp>,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Cfg<D, kCtas, kWarps>::kSmemBytes));
     return true;
@@ -35,33 +33,12 @@ int occupancy() {
   return n;
 }
 
-template <int D, int kHeadTiles, int kCtas, int kWarps, int kExp>
-void launch_variant(const Params& p, cudaStream_t stream) {
-  set_smem_limit<D, kHeadTiles, kCtas, kWarps, kExp>();
-  const unsigned int ctas = static_cast<unsigned int>(int64_t{p.batch} * p.H * p.num_splits);
-  paged_decode_kernel<D, kHeadTiles, kCtas, kWarps, kExp>
-      <<<ctas, 32 * kWarps, Cfg<D, kCtas, kWarps>::kSmemBytes, stream>>>(p);
-}
-
-// EXPERIMENT (session 16): ZIPKV_DECODE_EXP picks a variant of the kernel (paged_decode_kernel's kExp bits).
-inline int decode_exp() {
-  const char* v = std::getenv("ZIPKV_DECODE_EXP");  // read per launch: a sweep switches variants in one process
-  return v ? std::atoi(v) : 0;
-}
-
 template <int D, int kHeadTiles, int kCtas, int kWarps>
 void launch_kernel(const Params& p, cudaStream_t stream) {
-  if constexpr (kHeadTiles == 1 && D <= 128) {
-    switch (decode_exp()) {
-      case 1: return launch_variant<D, kHeadTiles, kCtas, kWarps, 1>(p, stream);
-      case 2: return launch_variant<D, kHeadTiles, kCtas, kWarps, 2>(p, stream);
-      case 3: return launch_variant<D, kHeadTiles, kCtas, kWarps, 3>(p, stream);
-      case 7: return launch_variant<D, kHeadTiles, kCtas, kWarps, 7>(p, stream);
-      case 11: return launch_variant<D, kHeadTiles, kCtas, kWarps, 11>(p, stream);
-      default: break;
-    }
-  }
-  launch_variant<D, kHeadTiles, kCtas, kWarps, 0>(p, stream);
+  set_smem_limit<D, kHeadTiles, kCtas, kWarps>();
+  const unsigned int ctas = static_cast<unsigned int>(int64_t{p.batch} * p.H * p.num_splits);
+  paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>
+      <<<ctas, 32 * kWarps, Cfg<D, kCtas, kWarps>::kSmemBytes, stream>>>(p);
 }
 
 // The variant serving a head_dim, group and warps per CTA: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N
