@@ -7,9 +7,9 @@ Method (DESIGN.md §5): Llama-3.1-8B attention shape (32 query heads, 8 KV heads
 KV per request, pages in random order, L2 flushed before every timed call (by reading a 256 MB buffer), median of
 --iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64).
 Every variant of a case is timed round-robin (one call of each per round, in a fresh random order each round), so a
-slow or fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as the gaps
-we measure (benchmarks/NOTES.md, v14). Speedups are ratios of medians; "paired" speedups are medians of the
-per-round ratios. Data:
+slow or fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as
+the gaps we measure (benchmarks/NOTES.md, v14, v15). Speedups are ratios of medians; "paired" speedups are medians of
+the per-round ratios. Data:
 - random:    Gaussian BF16 pages with magnitudes below 2^-8 lifted to +-2^-8, so that every block compresses (the
              issue's "all blocks compressible" case; plain randn leaves ~5% of blocks raw, from rare tiny values).
 - real-like: every 16 x 64 K or V stream drawn from SmolLM2-135M's real cache (model package or $ZIPKV_REAL_KV),
@@ -37,7 +37,9 @@ import torch_zipkv
 from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
-PAD_CYCLES = 400_000  # ~200-400 µs of GPU spin before each timed call (time_round_robin)
+# GPU spin before each timed call (~200-400 µs): a guard, as the flush alone (126 µs of GPU time on the H200) already
+# outlasts the host time of a call (FlashInfer 25-50 µs, zipkv 8-23 µs; benchmarks/NOTES.md, v15).
+PAD_CYCLES = 400_000
 LLAMA = dict(name="llama3-8b", Hq=32, Hkv=8, D=128)
 SMOLLM2 = dict(name="smollm2", Hq=9, Hkv=3, D=64)
 PAGE = 16
@@ -164,7 +166,7 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     row = {"shape": shape["name"], "ctx": ctx, "batch": batch, "raw_kv_bytes": raw_bytes}
     meta_shape = torch.empty(1, 2, Hkv, fmt.meta_words(PAGE, D), dtype=torch.int32, device=device)
     row["plan"] = ops.decode_plan(q, meta_shape, num_pages, PAGE)  # split count and CTA layout of the zipkv cases
-    fns, info, outs, keep = {}, {}, {}, []
+    fns, info, outs = {}, {}, {}
 
     def add(name, fn, nbytes, extra=None):
         fns[name] = fn
@@ -176,7 +178,6 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
         fn = lambda ckv=ckv, out=out: torch_zipkv.paged_decode(q, ckv, indptr, indices, last, sm_scale=scale, out=out)  # noqa: E731
         fn()
         outs[name] = out
-        keep.append(ckv)
         add(name, fn, ckv.nbytes, {"stored_ratio": ckv.ratio, "compressed_blocks": ckv.compressed_block_fraction})
     wrappers, fi_version = flashinfer_wrappers(indptr, indices, last, shape, device) if flashinfer else ({}, None)
     for name, w in wrappers.items():
@@ -207,7 +208,7 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
         us = statistics.median(ts)
         results[name] = {"us": us, "TBps": info[name]["bytes_read"] / us / 1e6, "raw_TBps": raw_bytes / us / 1e6,
                          **info[name]}
-    del fns, keep, k, v, kv_real, ckv_real
+    del fns, k, v, kv_real, ckv_real
 
     # Sanity: raw and compressed storage of the same values give the same bits; FlashInfer agrees to bf16 rounding.
     row["raw_equals_compressed_bits"] = torch.equal(outs["zipkv_random"], outs["zipkv_raw"])

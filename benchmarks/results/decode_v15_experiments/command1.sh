@@ -3,6 +3,8 @@
 # `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`): build the experiment variants, run the decode tests
 # on the two candidate variants, the variant sweep, then the full grid (round-robin bench) on the variant the sweep
 # ranks first by the geometric mean of its paired speedups (bit 8, the no-fence diagnostic, excluded).
+# Ran at cb34fa0 (the variants in csrc; variants.patch here is that diff). The bench then rotated its order and had no
+# GPU spin before each call (both changed for call 2).
 set -uo pipefail
 export OUT=${OUT:-/tmp/zipkv-out}; mkdir -p $OUT
 export PYTHONPATH=/tmp/zipkv-site${PYTHONPATH:+:$PYTHONPATH} ZIPKV_REAL_KV=.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1

@@ -1,5 +1,7 @@
 """Session 16: the decode kernel's experiment variants (ZIPKV_DECODE_EXP bits, paged_decode_kernel's kExp), timed
 round-robin with FlashInfer TC in one process, per case on random (all blocks compressed), real-KV-like and raw pages.
+The variants were reverted (no gain, benchmarks/NOTES.md v15): run this on a tree with variants.patch applied
+(`git apply benchmarks/results/decode_v15_experiments/variants.patch` on cb34fa0's parent, 939ccc2).
 
     python benchmarks/results/decode_v15_experiments/variant_sweep.py --out DIR [--iters 100] [--variants 0,1,2,3,7,11]
 
