@@ -149,9 +149,9 @@ def flashinfer_wrappers(indptr, indices, last, shape, device):
     return out, flashinfer.__version__
 
 
-def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen, flashinfer: bool,
-             write_flush: bool = False) -> dict:
-    device = "cuda"
+def case_inputs(shape: dict, ctx: int, batch: int, gen, device="cuda"):
+    """A case's page table (ctx // PAGE full pages per request, in random order), q and all-compressible pages:
+    indptr, indices, last_page_len, q [batch, Hq, D], kv [num_pages, 2, PAGE, Hkv, D]."""
     Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
     pages_per_req = ctx // PAGE
     num_pages = batch * pages_per_req
@@ -159,10 +159,20 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     indices = torch.randperm(num_pages, generator=gen).to(torch.int32).to(device)  # random page order
     last = torch.full((batch,), PAGE, dtype=torch.int32, device=device)
     q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).to(device)
+    kv = compressible_randn((num_pages, 2, PAGE, Hkv, D), gen).to(device)
+    return indptr, indices, last, q, kv
+
+
+def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen, flashinfer: bool,
+             write_flush: bool = False) -> dict:
+    device = "cuda"
+    Hkv, D = shape["Hkv"], shape["D"]
+    pages_per_req = ctx // PAGE
+    num_pages = batch * pages_per_req
+    indptr, indices, last, q, kv = case_inputs(shape, ctx, batch, gen, device)
     scale = 1 / math.sqrt(D)
     raw_bytes = num_pages * 2 * PAGE * Hkv * D * 2
 
-    kv = compressible_randn((num_pages, 2, PAGE, Hkv, D), gen).to(device)
     row = {"shape": shape["name"], "ctx": ctx, "batch": batch, "raw_kv_bytes": raw_bytes}
     meta_shape = torch.empty(1, 2, Hkv, fmt.meta_words(PAGE, D), dtype=torch.int32, device=device)
     row["plan"] = ops.decode_plan(q, meta_shape, num_pages, PAGE)  # split count and CTA layout of the zipkv cases

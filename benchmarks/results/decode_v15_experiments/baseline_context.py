@@ -70,13 +70,7 @@ def main():
     for c in a.cases.split(","):
         sname, ctx, batch = c.split(":")
         shape, ctx, batch = shapes[sname], int(ctx), int(batch)
-        ppr = ctx // bd.PAGE
-        n = batch * ppr
-        indptr = torch.arange(0, n + 1, ppr, dtype=torch.int32, device="cuda")
-        indices = torch.randperm(n, generator=gen).to(torch.int32).cuda()
-        last = torch.full((batch,), bd.PAGE, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, shape["Hq"], shape["D"], generator=gen).to(torch.bfloat16).cuda()
-        kv = bd.compressible_randn((n, 2, bd.PAGE, shape["Hkv"], shape["D"]), gen).cuda()
+        indptr, indices, last, q, kv = bd.case_inputs(shape, ctx, batch, gen)
         ckv = bd.store(kv, True)
         out = torch.empty_like(q)
         z = lambda: torch_zipkv.paged_decode(q, ckv, indptr, indices, last, out=out)  # noqa: E731

@@ -27,14 +27,9 @@ import torch_zipkv  # noqa: E402
 
 
 def case(shape, ctx, batch, variants, iters, streams, flush, gen):
-    Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
-    ppr = ctx // bd.PAGE
-    n = batch * ppr
-    indptr = torch.arange(0, n + 1, ppr, dtype=torch.int32, device="cuda")
-    indices = torch.randperm(n, generator=gen).to(torch.int32).cuda()
-    last = torch.full((batch,), bd.PAGE, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).cuda()
-    kv = bd.compressible_randn((n, 2, bd.PAGE, Hkv, D), gen).cuda()
+    Hkv, D = shape["Hkv"], shape["D"]
+    n = batch * (ctx // bd.PAGE)
+    indptr, indices, last, q, kv = bd.case_inputs(shape, ctx, batch, gen)
     data = {"random": bd.store(kv, True), "raw": bd.store(kv, False),
             "real": bd.store(bd.real_like_pages(n, Hkv, D, streams, gen), True)}
     fns, outs = {}, {}
