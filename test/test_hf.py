@@ -11,9 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import torch_zipkv  # noqa: E402
-from torch_zipkv.integrations.transformers import ZipKVCache  # noqa: E402  (registers "zipkv")
+from torch_zipkv.integrations.transformers import ZipKVCache, cache_kwarg  # noqa: E402  (registers "zipkv")
 
 from conftest import require_smollm2  # noqa: E402
+from hf_models import padded_batch, small_model, teacher_forced_logits  # noqa: E402
 
 PAGE = 16
 NEW_TOKENS = 64
@@ -24,26 +25,6 @@ def smollm2():
     model, tok = require_smollm2().load_smollm2()
     tok.padding_side = "left"
     return model, tok
-
-
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids as generate() makes them for a left-padded batch."""
-    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-
-
-@torch.no_grad()
-def teacher_forced_logits(model, impl: str, input_ids, attention_mask, forced, cache=None) -> torch.Tensor:
-    """Last-position logits of the prefill, then of one decode step per column of ``forced`` [B, T] (the fed tokens),
-    with attention ``impl`` and ``cache`` (default DynamicCache): float [B, T + 1, vocab]."""
-    model.set_attn_implementation(impl)
-    cache = cache if cache is not None else transformers.DynamicCache(config=model.config)
-    mask, pos = attention_mask, positions(attention_mask)
-    out = [model(input_ids=input_ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]]
-    for t in range(forced.shape[1]):
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        pos = pos[:, -1:] + 1
-        out.append(model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1])
-    return torch.stack(out, 1).float()
 
 
 def assert_keeps_clear_choices(tokens, logits, ref_tokens, ref_logits, prompt_len: int) -> None:
@@ -124,7 +105,7 @@ def assert_greedy_generate_matches_default(model, tok):
     cache = zipkv_cache(model, len(PROMPTS), L + NEW_TOKENS, NEW_TOKENS)
     torch_zipkv.enable(model)
     try:
-        got = model.generate(**inp, past_key_values=cache, **kw)
+        got = model.generate(**inp, **{cache_kwarg(model): cache}, **kw)
     finally:
         model.set_attn_implementation("sdpa")
     ref_logits = torch.stack(ref.logits, 1).float()
@@ -175,38 +156,6 @@ def test_smollm2_teacher_forced_logits_match_default(smollm2):
 
 
 # ---- other architectures (small random-weight configs) --------------------------------------------------------
-def small_config(arch: str, **overrides):
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
-    common.update(overrides)
-    if arch == "qwen3":  # q/k norm
-        return transformers.Qwen3Config(**common)
-    if arch == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if arch == "mistral":
-        return transformers.MistralConfig(**{"sliding_window": None, **common})
-    if arch == "gemma3":  # sliding-window and full layers, query_pre_attn_scalar scaling, q/k norm
-        return transformers.Gemma3TextConfig(**{"sliding_window": 256, "query_pre_attn_scalar": 64, **common})
-    if arch == "gemma2":  # logit softcapping (a cap this small bites on random weights' small logits), sliding layers
-        return transformers.Gemma2Config(**{"sliding_window": 256, "query_pre_attn_scalar": 64,
-                                            "attn_logit_softcapping": 0.1, **common})
-    raise ValueError(arch)
-
-
-def small_model(arch: str, **overrides):
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(small_config(arch, **overrides), dtype=torch.bfloat16).eval()
-
-
-def padded_batch(gen, lengths, total_new):
-    L = max(lengths)
-    ids = torch.randint(0, 512, (len(lengths), L), generator=gen)
-    mask = torch.zeros(len(lengths), L, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        mask[b, L - n:] = 1
-    return ids, mask, torch.randint(0, 512, (len(lengths), total_new), generator=gen)
-
-
 def reference_and_tolerance(model, ids, mask, forced):
     """transformers' default path (DynamicCache + SDPA) as the reference, and 1.5x its distance to transformers'
     eager attention as the tolerance (at least 4e-3). A model without SDPA (Gemma 2: softcapping) is referenced by
@@ -314,52 +263,14 @@ def test_bad_arguments_raise():
                               torch.zeros(1, 0, dtype=torch.long), cache)
 
 
-def test_decode_step_compiles_with_fullgraph_and_no_recompiles(gen):
-    """With the host work done by ZipKVCache.begin_step() before each step, a decode step of an HF model traces as
-    one graph (fullgraph=True raises on any break), stops recompiling after its first steps, and gives the eager
-    zipkv logits across page boundaries and compressions."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    model = small_model("qwen3")
-    torch_zipkv.enable(model)
-    caches = [ZipKVCache.from_model(model, batch_size=2, max_length=96, max_new_tokens=40, compress_every=1)
-              for _ in range(2)]
-    ids = torch.randint(0, 512, (2, 13), generator=gen)
-    with torch.no_grad():
-        for cache in caches:
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-
-    def step(cache, input_ids, position_ids, cache_position):
-        return model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
-                     past_key_values=cache, use_cache=True).logits
-
-    compiled = torch.compile(step, fullgraph=True)
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    graphs = []
-    with torch.no_grad():
-        for t in range(24):  # positions 13..36: pages fill at 16 and 32, and compress between steps
-            pos, cache_position = torch.full((2, 1), 13 + t), torch.tensor([13 + t])
-            caches[0].begin_step()
-            got = compiled(caches[0], token, pos, cache_position)
-            want = step(caches[1], token, pos, cache_position)
-            assert (got.float() - want.float()).abs().max() < 0.05, t
-            token = want[:, -1].argmax(-1, keepdim=True)
-            graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[-1] == graphs[4] <= 3, graphs  # no recompiles after the first steps
-    stats = [cache.stats() for cache in caches]  # compiled K/V may round differently, so compare sizes loosely
-    assert stats[0]["tokens"] == stats[1]["tokens"] == 2 * 2 * (13 + 24)  # 2 layers x 2 sequences
-    assert all(x["stored_bytes"] < 0.9 * x["raw_bytes"] for x in stats)
-
-
 def test_generate_loop_gives_model_generate_tokens_and_compiles(gen):
     """torch_zipkv.generate (host work between steps) gives model.generate's tokens with a ZipKVCache exactly;
     compiled (fullgraph), its logits stay close and its tokens agree wherever the eager choice is not near a tie."""
     model = torch_zipkv.enable(small_model("qwen2"))
     ids, mask, _ = padded_batch(gen, [21, 9], 0)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                         past_key_values=ZipKVCache.from_model(model, batch_size=2, max_length=64, max_new_tokens=30))
+                         **{cache_kwarg(model): ZipKVCache.from_model(model, batch_size=2, max_length=64,
+                                                                      max_new_tokens=30)})
     eager, logits = torch_zipkv.generate(model, ids, mask, max_new_tokens=30, return_logits=True)
     assert torch.equal(eager, ref)
     torch._dynamo.reset()
@@ -378,7 +289,8 @@ def test_generate_on_cuda_eager_and_cuda_graphs(gen):
     ids, mask, _ = padded_batch(gen, [21, 9], 0)
     ids, mask = ids.cuda(), mask.cuda()
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
-                         past_key_values=ZipKVCache.from_model(model, batch_size=2, max_length=64, max_new_tokens=40))
+                         **{cache_kwarg(model): ZipKVCache.from_model(model, batch_size=2, max_length=64,
+                                                                      max_new_tokens=40)})
     eager, logits = torch_zipkv.generate(model, ids, mask, max_new_tokens=40, return_logits=True)
     assert torch.equal(eager, ref)
     torch._dynamo.reset()

@@ -126,6 +126,14 @@ def _remember(memo: dict, key, value) -> None:
     memo[key] = value
 
 
+def _table_width(batch: "_Batch", nnz: int) -> int:
+    """The length of a decode step's ``kv_indices`` for ``batch``: the pages of all its sequences' budgets, so that the
+    page table keeps one shape (a compiled step one graph, a CUDA Graph one capture) while the batch runs; past the
+    budgets, the next power of two. Entries past ``kv_indptr[-1]`` are never read."""
+    budget = sum(s.budget for s in batch.seqs)
+    return budget if nnz <= budget else 1 << (nnz - 1).bit_length()
+
+
 def _ranges(counts: np.ndarray, *starts: np.ndarray) -> list[np.ndarray]:
     """For each array of ``starts``: starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1 for every i,
     concatenated (dtype of counts)."""
@@ -461,6 +469,7 @@ class CompressedPagedKVCache:
         last = slots + 1  # the new token is the last page's last
         # The step's one host-to-device copy. The step's tensors come first, nnz-sized last, so each sits at the same
         # place of the buffer every step of a batch.
+        indices = np.pad(indices, (0, _table_width(batch, len(indices)) - len(indices)))
         page_ids, slots, indptr, last, indices, *writes = self._upload(page_ids, slots, indptr, last, indices, *writes)
         self._write_pages(*writes)
         self._len[batch.rows] = plan.end[:, None]

@@ -42,6 +42,7 @@ continuing a conversation, assisted decoding), beam search and ``num_return_sequ
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -61,16 +62,19 @@ _PENDING: list = [None]
 
 
 class _ZipKVLayer(CacheLayerMixin):
-    """Length bookkeeping of one layer for transformers (masks, ``get_seq_length``); the tokens live in the pages.
+    """What transformers asks one layer of the cache (mask sizes, ``get_seq_length``); the tokens live in the pages.
 
-    ``seen`` counts positions as transformers does (pads included), which is what its masks and ``generate`` expect.
+    No answer is a Python int that changes from one decode step to the next, so a compiled decode step never guards
+    on one (a guard on a per-step int recompiles every step). Before the prefill the cache is empty: length 0. From
+    the prefill on, the length is the owner's device tensor ``positions`` (positions as transformers counts them,
+    pads included), which the step itself advances, as transformers' ``StaticCache`` does.
     """
 
     is_sliding = False
 
-    def __init__(self):
+    def __init__(self, owner: "ZipKVCache"):
         super().__init__()
-        self.seen = 0
+        self.owner = owner
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -78,20 +82,21 @@ class _ZipKVLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        # The mask spans the new tokens only. A prefill starts from an empty cache, so that is the whole mask; a
+        # decode step reads its keys from the pages, which hold exactly each sequence's real tokens, and the "zipkv"
+        # mask function builds no mask for it. The answer never depends on the cache's length.
+        return query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.seen
+    def get_seq_length(self):
+        return 0 if self.owner.seq_ids is None else self.owner.positions
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.seen = 0
         self.is_initialized = False
 
 
@@ -118,19 +123,23 @@ class ZipKVCache(Cache):
             raise ValueError(f"max_new_tokens must be None or an int >= 0, got {max_new_tokens!r}")
         if not isinstance(compress_every, int) or compress_every < 1:
             raise ValueError(f"compress_every must be an int >= 1, got {compress_every!r}")
-        super().__init__(layers=[_ZipKVLayer() for _ in range(kv.num_layers)])
+        super().__init__(layers=[_ZipKVLayer(self) for _ in range(kv.num_layers)])
         self.kv = kv
+        # Positions stored, pads included: what transformers' get_seq_length answers once the prefill ran. A device
+        # tensor that layer 0's update advances inside the step, so a compiled step reads no per-step Python int.
+        self.positions = torch.zeros((), dtype=torch.long, device=kv.device)
         if kv.device.type == "cuda":
-            # The arena and meta rows live as long as the cache and decode steps write them in place: as static
-            # addresses, a CUDA Graph (torch.compile mode="reduce-overhead") captures them instead of skipping.
-            for t in (kv.data, *(kv.meta(layer) for layer in range(kv.num_layers))):
+            # The arena, meta rows and positions live as long as the cache and decode steps write them in place: as
+            # static addresses, a CUDA Graph (torch.compile mode="reduce-overhead") captures them instead of skipping.
+            for t in (kv.data, self.positions, *(kv.meta(layer) for layer in range(kv.num_layers))):
                 torch._dynamo.mark_static_address(t)
         self.max_new_tokens = max_new_tokens
         self.compress_every = compress_every
         self.steps = 0  # decode steps planned since the prefill
         self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
         self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step)
-        self.planned = False  # begin_step ran for the coming decode step
+        self.planned = False  # begin_step ran for the coming decode step: the model call is a decode step
+        self.touched = False  # a model call reached layer 0's update since the last reset
 
     @classmethod
     def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
@@ -171,16 +180,18 @@ class ZipKVCache(Cache):
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand this cache to the attention function (through the attention module's kwargs) and return ``k, v``
-        unchanged: the "zipkv" attention appends them to the pages. Compresses full pages before each decode step."""
+        unchanged: the "zipkv" attention appends them to the pages. Layer 0 advances ``positions`` and, on a decode
+        step that :meth:`begin_step` did not plan yet, plans it (eager use, ``model.generate``)."""
         forward_kwargs = kwargs.get("kwargs")
-        if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is None and self.layers[0].seen:
-            raise RuntimeError(
-                "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not 'zipkv' "
-                "(call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
-        if layer_idx == 0 and key_states.shape[-2] == 1 and self.seq_ids is not None and not self.planned:
-            self.begin_step()
-        if layer_idx == len(self.layers) - 1:
-            self.planned = False  # the next decode step plans again (eagerly here, or by an explicit begin_step)
+        if layer_idx == 0:
+            if self.touched and self.seq_ids is None:
+                raise RuntimeError(
+                    "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not "
+                    "'zipkv' (call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
+            self.touched = True
+            self.positions.add_(key_states.shape[-2])
+            if self.seq_ids is not None and key_states.shape[-2] == 1 and not self.planned:
+                self.begin_step()
         if isinstance(forward_kwargs, dict):
             forward_kwargs["zipkv_cache"] = self
             _PENDING[0] = None
@@ -209,6 +220,8 @@ class ZipKVCache(Cache):
             self.kv.free_sequence(sid)
         self.seq_ids = self.step = None
         self.steps = 0
+        self.planned = self.touched = False
+        self.positions.zero_()
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -247,30 +260,29 @@ class ZipKVCache(Cache):
             # The paged cache frees what lies before its window: it must be the model's, or decode would be wrong.
             raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, but the cache was built "
                              f"with {self.kv.sliding_window[layer]}; build it with ZipKVCache.from_model(model, ...)")
-        if query.shape[2] > 1:
+        if not self.planned:  # a prefill (begin_step plans every decode step): prompts of any length, one included
             self._prefill(layer, key, value, attention_mask)
             if softcap is not None:  # SDPA cannot cap logits
                 return _softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           sliding_window=sliding_window, **kwargs)
-        if self.seq_ids is None:
-            raise RuntimeError("'zipkv' decode step before any prefill into this ZipKVCache")
         if query.shape[0] != len(self.seq_ids):
             raise ValueError(f"query has batch {query.shape[0]}, the cache holds {len(self.seq_ids)} sequences")
         # [B, H, 1, D] -> [B, H, D]; the step was planned for all layers at layer 0's update: no host work here
         self.kv.step_append(layer, self.step, key[:, :, 0].contiguous(), value[:, :, 0].contiguous())
         out = self.kv.step_decode(layer, self.step, query[:, :, 0].contiguous(), sm_scale=scaling,
                                   logits_soft_cap=softcap or 0.0)
+        if layer == len(self.layers) - 1:
+            self.planned = False  # the next decode step plans again (eagerly at layer 0, or by an explicit begin_step)
         return out.unsqueeze(1), None
 
     def _prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, attention_mask) -> None:
-        if self.layers[layer].seen != key.shape[2]:
-            raise NotImplementedError("'zipkv' prefill into a non-empty ZipKVCache (chunked prefill, a continued "
-                                      "conversation, assisted decoding) is not supported; call cache.reset() first")
         real = _real_tokens(attention_mask, key.shape[0], key.shape[2], key.device)  # bool [B, L]
         if layer == 0:
             if self.seq_ids is not None:
-                raise NotImplementedError("ZipKVCache already holds sequences; call cache.reset() first")
+                raise NotImplementedError("'zipkv' prefill into a non-empty ZipKVCache (chunked prefill, a continued "
+                                          "conversation, assisted decoding) is not supported; call cache.reset() "
+                                          "first")
             counts = real.sum(1).tolist()
             self.seq_ids = [self.kv.add_sequence(prompt_len=n, max_new_tokens=self.max_new_tokens or 0)
                             for n in counts]
@@ -384,20 +396,19 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         cache = ZipKVCache.from_model(model, batch_size=batch, max_length=length + max_new_tokens,
                                       max_new_tokens=max_new_tokens)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True).logits[:, -1]
+    cache_kw = {cache_kwarg(model): cache}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                   **cache_kw).logits[:, -1]
 
-    def step(token, position, cache_position):
-        return model(input_ids=token, position_ids=position, cache_position=cache_position, past_key_values=cache,
-                     use_cache=True).logits[:, -1]
+    def step(token, position):
+        return model(input_ids=token, position_ids=position, use_cache=True, **cache_kw).logits[:, -1]
 
     if compile:
         step = torch.compile(step, fullgraph=True, mode=compile if isinstance(compile, str) else None)
     tokens, seen, done = [input_ids], [], torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    # Stepped on the device: a tensor built from a host int each step would be a blocking copy that waits for the
+    # queued step, and the host could no longer run ahead of the GPU.
     position = position_ids[:, -1:] + 1
-    # Made on the device and stepped there: a tensor built from a host int each step would be a blocking copy that
-    # waits for the queued step, and the host could no longer run ahead of the GPU.
-    cache_position = torch.full((1,), length, dtype=torch.long, device=input_ids.device)
     for t in range(max_new_tokens):
         seen.append(logits)
         if do_sample:
@@ -412,12 +423,18 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if t + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
             break
         cache.begin_step()
-        logits = step(token, position, cache_position)
+        logits = step(token, position)
         if compile:  # a CUDA Graph's output buffer is rewritten by the next replay: keep this step's own copy
             logits = logits.clone()
-        position, cache_position = position + 1, cache_position + 1
+        position = position + 1
     out = torch.cat(tokens, 1)
     return (out, torch.stack(seen, 1)) if return_logits else out
+
+
+def cache_kwarg(model) -> str:
+    """The keyword under which ``model``'s ``forward`` and ``generate`` take a cache: ``"cache"`` from transformers
+    5.24 on (which still takes ``past_key_values`` with a FutureWarning), ``"past_key_values"`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def enable(model):
