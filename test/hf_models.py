@@ -5,27 +5,13 @@ from __future__ import annotations
 import torch
 import transformers
 
-from torch_zipkv.integrations.transformers import cache_kwarg
+from torch_zipkv import demo
 
 
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids as generate() makes them for a left-padded batch."""
-    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-
-
-@torch.no_grad()
 def teacher_forced_logits(model, impl: str, input_ids, attention_mask, forced, cache=None) -> torch.Tensor:
-    """Last-position logits of the prefill, then of one decode step per column of ``forced`` [B, T] (the fed tokens),
-    with attention ``impl`` and ``cache`` (default DynamicCache): float [B, T + 1, vocab]."""
+    """:func:`torch_zipkv.demo.teacher_forced_logits` with attention ``impl``: float [B, T + 1, vocab]."""
     model.set_attn_implementation(impl)
-    cache = {cache_kwarg(model): cache if cache is not None else transformers.DynamicCache(config=model.config)}
-    mask, pos = attention_mask, positions(attention_mask)
-    out = [model(input_ids=input_ids, attention_mask=mask, position_ids=pos, **cache).logits[:, -1]]
-    for t in range(forced.shape[1]):
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        pos = pos[:, -1:] + 1
-        out.append(model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, **cache).logits[:, -1])
-    return torch.stack(out, 1).float()
+    return demo.teacher_forced_logits(model, input_ids, attention_mask, forced, cache)
 
 
 def small_config(arch: str, **overrides):

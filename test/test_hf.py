@@ -212,6 +212,34 @@ def test_sliding_window_past_the_window(arch, gen):
             assert cache.kv.kept_from(cache.seq_ids[0], layer) == (67 - 16) // PAGE * PAGE
 
 
+def test_one_token_prompts(gen):
+    """A prompt of one token is a prefill too (the first call into an empty cache), not a decode step."""
+    cache = assert_zipkv_logits_match(small_model("qwen3"), "qwen3", gen, [1, 1], 18)
+    assert cache.stats()["tokens"] == 2 * 2 * (1 + 18)
+
+
+def test_prefill_into_a_non_empty_cache_raises(gen):
+    model = torch_zipkv.enable(small_model("qwen3"))
+    ids, mask, _ = padded_batch(gen, [12, 12], 0)
+    cache = ZipKVCache.from_model(model, batch_size=2, max_length=64, max_new_tokens=8)
+    teacher_forced_logits(model, "zipkv", ids, mask, ids[:, :2], cache)
+    before = cache.stats()
+    with pytest.raises(NotImplementedError, match="non-empty ZipKVCache"):
+        model(input_ids=ids, **{cache_kwarg(model): cache})
+    assert cache.stats()["tokens"] == before["tokens"] and int(cache.get_seq_length()) == 12 + 2
+
+
+def test_a_batch_that_does_not_fit_leaves_the_cache_empty(gen):
+    model = torch_zipkv.enable(small_model("qwen3"))
+    ids, mask, _ = padded_batch(gen, [40, 40], 0)
+    cache = ZipKVCache.from_model(model, batch_size=1, max_length=48, max_new_tokens=8)  # room for one sequence
+    with pytest.raises(torch_zipkv.CacheFullError):
+        model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache})
+    assert cache.stats()["sequences"] == 0 and cache.get_seq_length() == 0
+    logits = teacher_forced_logits(model, "zipkv", ids[:1], mask[:1], ids[:1, :3], cache)  # the cache still works
+    assert logits.isfinite().all() and cache.stats()["sequences"] == 1
+
+
 def test_compressing_every_few_steps_gives_the_same_bits(gen):
     """Pages read raw for a few more steps rebuild the same BF16 as compressed ones (lossless): compressing every
     step or every 3rd gives bit-identical logits, and by the end every full page is compressed either way."""

