@@ -39,17 +39,17 @@ def check_contents(cache, kept: dict) -> None:
         gk, gv = cache.gather(layer, sid)
         assert gk.shape == k.shape and torch.equal(bits(gk), bits(k)), f"K of seq {sid}, layer {layer}"
         assert torch.equal(bits(gv), bits(v)), f"V of seq {sid}, layer {layer}"
-        assert cache.seq_len(sid, layer) == cache.kept_from(sid, layer) + k.shape[0]
+        assert cache.seq_len(layer, sid) == cache.kept_from(layer, sid) + k.shape[0]
 
 
 def live_streams(cache, kept: dict) -> list[tuple[int, int, int, int]]:
     """(start, end, layer, page) of every stream of every live page, read from the device meta."""
-    meta = cache._meta.cpu()
+    meta = cache._store.meta.cpu()
     out = []
     for (sid, layer), (k, _) in kept.items():
         _, indices, _ = cache.page_table(layer, [sid])
-        assert len(indices) == -(-cache.seq_len(sid, layer) // cache.page_size)
-        for p in indices[cache.kept_from(sid, layer) // cache.page_size:].tolist():  # a sliding window's live pages
+        assert len(indices) == -(-cache.seq_len(layer, sid) // cache.page_size)
+        for p in indices[cache.kept_from(layer, sid) // cache.page_size:].tolist():  # a sliding window's live pages
             rows = meta[layer, p]  # [2, H, W]
             desc = rows[..., 1:].contiguous().view(torch.uint8)[..., : fmt.blocks_per_stream(cache.page_size,
                                                                                               cache.head_dim)]

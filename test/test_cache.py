@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import torch_zipkv
-from torch_zipkv import CacheFullError, CompressedPagedKVCache, ops
+from torch_zipkv import CacheFullError, CompressedPagedKVCache, compression_rounds, ops
 from torch_zipkv import format as fmt
 from torch_zipkv.arena import Arena
+from torch_zipkv.upload import Uploader
 
 from cache_oracle import (bits, check_accounting, check_contents, check_layout, decode_reference, live_streams, rel_err,
                           tokens)
@@ -104,18 +105,18 @@ def test_sliding_window_layer_attends_to_and_keeps_only_its_window(gen):
             cache.compress_full_pages()
             for sid in sids:  # layer 1 keeps the tail from its first live page on
                 k, v = kept[(sid, 1)]
-                first = cache.kept_from(sid, 1) - (cache.seq_len(sid, 1) - k.shape[0])
+                first = cache.kept_from(1, sid) - (cache.seq_len(1, sid) - k.shape[0])
                 kept[(sid, 1)] = (k[first:], v[first:])
     for sid, n in zip(sids, lens):
-        assert cache.kept_from(sid, 0) == 0
-        assert cache.kept_from(sid, 1) == max(0, n + 28 - W) // P * P  # freed at the last compression (step 27)
+        assert cache.kept_from(0, sid) == 0
+        assert cache.kept_from(1, sid) == max(0, n + 28 - W) // P * P  # freed at the last compression (step 27)
     st = cache.stats()
     full, slid = st["layers"][0], st["layers"][1]
     assert slid["pages"] == sum(-(-(n + 30) // P) - max(0, n + 28 - W) // P for n in lens) < full["pages"]
     assert slid["stored_bytes"] < full["stored_bytes"] and slid["tokens"] < full["tokens"]
     check_all(cache, kept)
     for sid in sids:
-        dropped = cache.page_table(1, [sid])[1][: cache.kept_from(sid, 1) // P].long()
+        dropped = cache.page_table(1, [sid])[1][: cache.kept_from(1, sid) // P].long()
         assert (cache.meta(1)[dropped] == fmt.NO_STREAM).all() and (cache.meta(0)[dropped][..., 0] >= 0).all()
         cache.free_sequence(sid)
     assert cache.stats()["free_chunks"] == 32
@@ -126,6 +127,10 @@ def test_sliding_window_argument_is_checked():
         make(layers=2, sliding_window=[None])
     with pytest.raises(ValueError, match="sliding_window must be"):
         make(layers=2, sliding_window=0)
+    with pytest.raises(TypeError, match="sliding_window must be .* got an entry float 2.5"):
+        make(layers=2, sliding_window=[None, 2.5])
+    with pytest.raises(TypeError, match="sliding_window must be .* got float"):
+        make(layers=2, sliding_window=8.0)
     assert make(layers=3, sliding_window=8).sliding_window == [8, 8, 8]
 
 
@@ -190,9 +195,15 @@ def test_bad_arguments_raise_clear_errors():
         cache.append(0, sid, k, v[:2])
     with pytest.raises(ValueError, match="k must be on cpu, got meta"):
         cache.append(0, sid, k.to("meta"), v)
-    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\)"):
         cache.append(2, sid, k, v)
-    with pytest.raises(KeyError, match="seq_id 99 is not a running sequence"):
+    with pytest.raises(TypeError, match=r"layer must be an int in \[0, 2\), got float"):
+        cache.append(1.0, sid, k, v)
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\)"):
+        cache.meta(2)
+    with pytest.raises(TypeError, match="seq_id must be an int, got str"):
+        cache.append(0, "a", k, v)
+    with pytest.raises(ValueError, match="seq_id 99 is not a running sequence"):
         cache.append(0, 99, k, v)
     other = cache.add_sequence()
     with pytest.raises(ValueError, match="seq_ids has 2 ids for 3 tokens"):
@@ -201,10 +212,22 @@ def test_bad_arguments_raise_clear_errors():
         cache.append(0, [sid, other, sid], k, v)
     with pytest.raises(ValueError, match=r"q must be bf16 \[batch, k \* 2, 64\]"):
         cache.decode(0, torch.zeros(1, 3, D, dtype=torch.bfloat16), [sid])
+    with pytest.raises(TypeError, match="q must be bfloat16, got torch.float32"):
+        cache.decode(0, torch.zeros(1, 2, D), [sid])
     with pytest.raises(ValueError, match="q has 2 rows for 1 sequences"):
         cache.decode(0, torch.zeros(2, 2, D, dtype=torch.bfloat16), [sid])
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
         cache.add_sequence(4, -1)
+    with pytest.raises(TypeError, match="prompt_len must be an int >= 0, got float"):
+        cache.add_sequence(4.0)
+    with pytest.raises(ValueError, match="reserve must be an int >= 0"):
+        cache.capacity(reserve=-1)
+    with pytest.raises(TypeError, match="num_layers must be an int >= 1, got float"):
+        CompressedPagedKVCache(2.0, H, D, device="cpu", max_bytes=1 << 20)
+    with pytest.raises(TypeError, match="max_bytes must be an int, got float"):
+        CompressedPagedKVCache(1, H, D, device="cpu", max_bytes=1e6)
+    with pytest.raises(ValueError, match="max_pages must be an int >= 1, got 0"):
+        CompressedPagedKVCache(1, H, D, device="cpu", max_bytes=1 << 20, max_pages=0)
     with pytest.raises(ValueError, match="exactly one of max_bytes and memory_fraction"):
         CompressedPagedKVCache(1, H, D, device="cpu")
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -212,7 +235,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="head_dim must be one of"):
         CompressedPagedKVCache(1, H, 96, device="cpu", max_bytes=1 << 20)
     cache.free_sequence(sid)
-    with pytest.raises(KeyError, match="is not a running sequence"):
+    with pytest.raises(ValueError, match="is not a running sequence"):
         cache.gather(0, sid)
     assert cache.seq_ids == [other]
 
@@ -221,9 +244,38 @@ def test_byte_budget_holds_arena_and_meta():
     for max_bytes in (1 << 20, 3 << 20, 10 << 20):
         cache = CompressedPagedKVCache(4, H, D, device="cpu", max_bytes=max_bytes, chunk_bytes=64 << 10)
         used = cache.data.numel() + cache.stats()["meta_bytes"]
-        assert max_bytes - cache.chunk_bytes - cache._meta[:, 0].numel() * 4 < used <= max_bytes
+        assert max_bytes - cache.chunk_bytes - cache._store.meta[:, 0].numel() * 4 < used <= max_bytes
         # Enough page ids for an arena of all-compressed pages spread over the layers.
-        assert cache._meta.shape[1] * 4 * 3 / 4 * cache.page_bytes >= cache.data.numel()
+        assert cache._store.meta.shape[1] * 4 * 3 / 4 * cache.page_bytes >= cache.data.numel()
+
+
+@pytest.mark.parametrize("layers, heads, head_dim, batch, length", [(2, H, D, 3, 100), (3, H, D, 1, 1),
+                                                                     (1, 8, 128, 4, 1100)])
+def test_raw_sizing_holds_its_batch_raw_with_two_chunks_per_layer_to_spare(layers, heads, head_dim, batch, length):
+    """A cache sized by raw_sizing(batch_size, max_length) spends its whole byte budget. Every layer holds batch_size
+    sequences of max_length tokens stored raw (with budgets or without), and on top of their pages, in whole chunks,
+    two chunks per layer; batch_size page ids are spare, and no more. The last case has more pages than fit the
+    default 4 MiB chunks four times over."""
+    sizing = CompressedPagedKVCache.raw_sizing(layers, heads, head_dim, batch_size=batch, max_length=length,
+                                               page_size=P)
+    cache = CompressedPagedKVCache(layers, heads, head_dim, page_size=P, device="cpu", **sizing)
+    assert cache.data.numel() + cache.stats()["meta_bytes"] == sizing["max_bytes"]
+    pages, per_chunk = batch * -(-length // P), cache.chunk_bytes // cache.page_bytes
+    assert per_chunk == min((4 << 20) // cache.page_bytes, -(-pages // 4))
+    assert cache.stats()["num_chunks"] == layers * (-(-pages // per_chunk) + 2)
+    assert pages <= cache.capacity().pages <= pages + batch
+    for budget in (length, 0):
+        sids = [cache.add_sequence(budget) for _ in range(batch)]
+        if budget:
+            assert cache.capacity().pages <= batch  # the spare page ids
+        for layer in range(layers):
+            for sid in sids:
+                cache.append(layer, sid, *tokens(sid, length, heads, head_dim))
+        assert cache.stats()["raw_bytes"] == cache.stats()["stored_bytes"] == layers * pages * cache.page_bytes
+        for sid in sids:
+            cache.free_sequence(sid)
+    with pytest.raises(ValueError, match="max_length must be an int >= 1"):
+        CompressedPagedKVCache.raw_sizing(layers, heads, head_dim, batch_size=batch, max_length=0)
 
 
 def check_capacity_is_kept_and_tight(cache, kept, reserve=0):
@@ -388,7 +440,7 @@ def test_admission_by_capacity_never_runs_out_and_compression_admits_more():
     assert peaks[1] > peaks[0], f"compression did not turn saved bytes into more concurrent requests: {peaks}"
 
 
-def test_planned_steps_match_per_layer_appends_bit_for_bit(gen):
+def test_prepared_steps_match_per_layer_appends_bit_for_bit(gen):
     """prepare_step opens every layer's pages at once; the result (contents, layout, accounting, attention) is the
     per-layer append path's, page for page."""
     layers, lens = 3, [5, 16, 31, 47]
@@ -403,17 +455,19 @@ def test_planned_steps_match_per_layer_appends_bit_for_bit(gen):
             kept[(sids[a][i], layer)] = (k, v)
     compressed = 0
     for step in range(35):  # crosses page boundaries at different steps per sequence, with compressions between
-        plan = a.prepare_step(sids[a])
-        assert plan.page_ids.dtype == torch.int32 and plan.kv_indptr.shape == (len(lens) + 1,)
+        prepared = a.prepare_step(sids[a])
+        assert prepared.page_ids.dtype == torch.int32 and prepared.kv_indptr.shape == (len(lens) + 1,)
+        # One shape for the batch's life (a compiled step, one graph): room for every sequence's whole budget.
+        assert prepared.kv_indices.shape == (sum(-(-(n + 40) // P) for n in lens),)
         for layer in range(layers):
             k, v = tokens(1000 + 10 * step + layer, len(lens), H, D)
-            a.step_append(layer, plan, k, v)
+            a.step_append(layer, prepared, k, v)
             b.append(layer, sids[b], k, v)
             for i, sid in enumerate(sids[a]):
                 old = kept[(sid, layer)]
                 kept[(sid, layer)] = (torch.cat([old[0], k[i: i + 1]]), torch.cat([old[1], v[i: i + 1]]))
             q = torch.randn(len(lens), 2 * H, D, generator=gen).bfloat16()
-            out = a.step_decode(layer, plan, q)
+            out = a.step_decode(layer, prepared, q)
             assert torch.equal(bits(out), bits(b.decode(layer, q, sids[b])))
             assert rel_err(out, decode_reference(q, [kept[(s, layer)] for s in sids[a]], P)) < 1e-2
         if step % 4 == 3:
@@ -421,15 +475,35 @@ def test_planned_steps_match_per_layer_appends_bit_for_bit(gen):
             assert n == b.compress_full_pages()
             compressed += n
     assert compressed >= layers * (len(lens) + 4)  # the prompts' full pages and those the steps filled
-    assert torch.equal(a.data, b.data) and torch.equal(a._meta, b._meta)
+    assert torch.equal(a.data, b.data) and torch.equal(a._store.meta, b._store.meta)
     check_all(a, kept)
+
+
+def test_prepared_step_tables_past_the_budgets_grow_by_powers_of_two(gen):
+    """Past its sequences' budgets a step's page table grows to the next power of two of its pages, and attention on
+    the padded table is the exact table's, bit for bit (entries past kv_indptr[-1] are never read)."""
+    cache = make(layers=1, chunks=40)
+    sids = [cache.add_sequence(3, 5), cache.add_sequence(20, 0)]  # budgets of 1 and 2 pages
+    for sid, n in zip(sids, (3, 20)):
+        cache.append(0, sid, *tokens(sid, n, H, D))
+    widths = []
+    for step in range(60):
+        prepared = cache.prepare_step(sids)
+        cache.step_append(0, prepared, *tokens(100 + step, 2, H, D))
+        nnz = int(prepared.kv_indptr[-1])
+        widths.append(prepared.kv_indices.numel())
+        assert widths[-1] == (3 if nnz <= 3 else 1 << (nnz - 1).bit_length())
+        q = torch.randn(2, 2 * H, D, generator=gen).bfloat16()
+        assert torch.equal(bits(cache.step_decode(0, prepared, q)), bits(cache.decode(0, q, sids)))
+    assert sorted(set(widths)) == [3, 4, 8, 16]  # 3 + 60 and 20 + 60 tokens: 4 + 5 = 9 pages at the end
+    assert cache.stats()["tokens"] == 3 + 20 + 2 * 60
 
 
 def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
     cache = make(layers=2, chunks=6, chunk_pages=2)  # 12 raw pages
     s = cache.add_sequence()
     cache.append(0, s, *tokens(0, 3, H, D))
-    with pytest.raises(ValueError, match="every layer at the same length"):
+    with pytest.raises(RuntimeError, match="every layer at the same length"):
         cache.prepare_step([s])
     cache.append(1, s, *tokens(1, 3, H, D))
     t = cache.add_sequence()
@@ -437,10 +511,10 @@ def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
         cache.append(layer, t, *tokens(2 + layer, 4 * P, H, D))  # t's 4 pages per layer: one free slot per layer
     for layer in range(2):
         cache.append(layer, s, *tokens(5 + layer, P - 3, H, D))  # s's first page is full now
-    before, meta = cache.stats(), cache._meta.clone()
+    before, meta = cache.stats(), cache._store.meta.clone()
     with pytest.raises(CacheFullError, match="needs 2 new raw pages"):
         cache.prepare_step([s, t])  # both need a second page in both layers, beyond any budget
-    assert cache.stats() == before and torch.equal(cache._meta, meta)
+    assert cache.stats() == before and torch.equal(cache._store.meta, meta)
 
 
 def stored_bytes(cache, kept) -> torch.Tensor:
@@ -485,11 +559,11 @@ def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
         for c, r in zip(caches, rounds):
             with monkeypatch.context() as m:
                 if r is not None:
-                    m.setattr(torch_zipkv.cache, "_COMPRESS_ROUND_BYTES", r)
+                    m.setattr(compression_rounds, "ROUND_BYTES", r)
                 c.compress_full_pages()
         for c in caches[1:]:
             assert torch.equal(stored_bytes(c, kept), stored_bytes(caches[0], kept))
-            assert torch.equal(c._meta, caches[0]._meta)
+            assert torch.equal(c._store.meta, caches[0]._store.meta)
             assert arena_state(c) == arena_state(caches[0]) and c.stats() == caches[0].stats()
         return layers_waiting
 
@@ -520,7 +594,7 @@ def test_uploads_come_back_as_sent():
     buffer with their dtype and shape."""
     arrays = [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int64) - 2**40, np.empty(0, dtype=np.int64),
               np.arange(24, dtype=np.int32).reshape(2, 3, 4), np.empty(0, dtype=np.int32), np.array([7], np.int64)]
-    upload = torch_zipkv.cache._Uploader(torch.device("cpu"))
+    upload = Uploader(torch.device("cpu"))
     for a, t in zip(arrays, upload(*arrays)):
         assert t.dtype == torch.from_numpy(a).dtype and t.shape == a.shape and np.array_equal(t.numpy(), a)
     assert upload() == []
@@ -530,7 +604,7 @@ def test_uploads_come_back_as_sent():
 def test_uploads_never_reuse_a_buffer_whose_copy_has_not_run():
     """While the stream is busy, every upload takes a fresh pinned buffer (the earlier copies have not run); once
     they have, buffers are reused. Every result is what was sent."""
-    upload = torch_zipkv.cache._Uploader(torch.device("cuda"))
+    upload = Uploader(torch.device("cuda"))
     torch.cuda._sleep(200_000_000)  # keeps the stream busy while the host fills buffers
     sent = [np.full(1000 + i, i, dtype=np.int32) for i in range(20)]
     got = [upload(a, np.array([i], dtype=np.int64)) for i, a in enumerate(sent)]
@@ -546,7 +620,7 @@ def test_uploads_never_reuse_a_buffer_whose_copy_has_not_run():
 @pytest.mark.parametrize("wait", [True, False])
 def test_the_same_workload_on_cuda_gives_the_cpu_cache_byte_for_byte(gen, wait):
     """The cache's host logic drives the CUDA ops exactly as the CPU ones: same arena bytes and meta after prefill,
-    planned and per-layer decode steps, compression (waiting, or placed a call later) and compaction; gather is
+    prepared and per-layer decode steps, compression (waiting, or placed a call later) and compaction; gather is
     exact and attention agrees."""
     caches = [make(layers=2, chunks=40, device=d) for d in ("cpu", "cuda")]
     lens = [3, 16, 40, 75]
@@ -560,22 +634,22 @@ def test_the_same_workload_on_cuda_gives_the_cpu_cache_byte_for_byte(gen, wait):
         q = torch.randn(len(lens), 2 * H, D, generator=gen).bfloat16()
         outs = []
         for c, s in zip(caches, sids):
-            plan = c.prepare_step(s) if step % 2 else None
+            prepared = c.prepare_step(s) if step % 2 else None
             for layer in range(2):
                 k, v = (x.to(c.device) for x in tokens(1000 + 10 * step + layer, len(lens), H, D, kind=1))
-                if plan is None:
+                if prepared is None:
                     c.append(layer, s, k, v)
                     outs.append(c.decode(layer, q.to(c.device), s).cpu())
                 else:
-                    c.step_append(layer, plan, k, v)
-                    outs.append(c.step_decode(layer, plan, q.to(c.device)).cpu())
+                    c.step_append(layer, prepared, k, v)
+                    outs.append(c.step_decode(layer, prepared, q.to(c.device)).cpu())
         assert all(rel_err(g, cpu.double()) < 1e-2 for cpu, g in zip(outs[:2], outs[2:]))
         if step % 5 == 4:
             assert caches[0].compress_full_pages(wait) == caches[1].compress_full_pages(wait)
         if step == 20:
             assert caches[0].compact() == caches[1].compact()
     cpu, cuda = caches
-    assert torch.equal(cpu.data, cuda.data.cpu()) and torch.equal(cpu._meta, cuda._meta.cpu())
+    assert torch.equal(cpu.data, cuda.data.cpu()) and torch.equal(cpu._store.meta, cuda._store.meta.cpu())
     for layer in range(2):
         for a, b in zip(sids[0], sids[1]):
             assert all(torch.equal(bits(x), bits(y.cpu())) for x, y in zip(cpu.gather(layer, a), cuda.gather(layer, b)))

@@ -1,5 +1,5 @@
 """Random workloads against CompressedPagedKVCache (hypothesis, stateful): add / append (prefill chunks and decode
-steps, any layer, any subset of sequences) / planned decode steps of every layer / compress (waiting, or placed a call
+steps, any layer, any subset of sequences) / prepared decode steps of every layer / compress (waiting, or placed a call
 later) / decode / free / compact, with the checks of cache_oracle after every step: contents bit-exact, no overlapping
 pages, accounting that adds up, promises that hold. The last layer slides over a 10-token window: it attends to the
 window and frees the pages before it."""
@@ -38,7 +38,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def length(self, sid: int, layer: int) -> int:
         """Tokens appended (kept holds those a sliding window has not freed)."""
-        return self.cache.seq_len(sid, layer)
+        return self.cache.seq_len(layer, sid)
 
     def attended(self, sid: int, layer: int):
         """The (k, v) decode attends to: all kept tokens, or the window's in the sliding layer."""
@@ -48,7 +48,7 @@ class CacheMachine(RuleBasedStateMachine):
     def trim(self) -> None:
         """After a compression: the sliding layer keeps what it has not freed, never a token of the window."""
         for sid in self.live():
-            n, first = self.length(sid, LAYERS - 1), self.cache.kept_from(sid, LAYERS - 1)
+            n, first = self.length(sid, LAYERS - 1), self.cache.kept_from(LAYERS - 1, sid)
             assert first % PAGE == 0 and first <= max(0, n - WINDOW), (first, n)
             k, v = self.kept[(sid, LAYERS - 1)]
             cut = first - (n - k.shape[0])
@@ -113,7 +113,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.budget)
     @rule(data=st.data(), seed=st.integers(0, 2**31))
     def step(self, data, seed):
-        """A decode step planned once for every layer (prepare_step), each layer's token written with step_append,
+        """A decode step prepared once for every layer (prepare_step), each layer's token written with step_append,
         and one layer's attention through the step's page table."""
         in_sync = [s for s in self.live() if len({self.length(s, layer) for layer in range(LAYERS)}) == 1]
         if not in_sync:

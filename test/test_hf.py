@@ -209,7 +209,7 @@ def test_sliding_window_past_the_window(arch, gen):
             assert pages == -(-67 // PAGE) + -(-41 // PAGE)  # every page of 37 + 30 and 11 + 30 tokens
         else:  # the pages holding the last 16 tokens (a window's tokens span at most 2 pages)
             assert pages == sum(-(-n // PAGE) - (n - 16) // PAGE for n in (67, 41))
-            assert cache.kv.kept_from(cache.seq_ids[0], layer) == (67 - 16) // PAGE * PAGE
+            assert cache.kv.kept_from(layer, cache.seq_ids[0]) == (67 - 16) // PAGE * PAGE
 
 
 def test_one_token_prompts(gen):

@@ -1,11 +1,12 @@
 """Where every page of the cache lives in its byte arena: chunks, a shared pool, slots, packed runs, promises.
 
 Host-only bookkeeping (numpy and lists, no tensors, no device syncs): the arena decides offsets, and
-``torch_zipkv/cache.py`` moves the bytes. A page here is one page id of one layer: its K and V for all kv heads.
+``torch_zipkv/page_store.py`` moves the bytes. A page here is one page id of one layer: its K and V for all kv heads.
 
-Layout (the paper's Fig. 2c). The arena is ``num_chunks`` chunks of ``chunk_bytes``. Free chunks sit in one shared
-pool; a layer takes a chunk when it needs room and gives it back as soon as nothing in it is live, so freed room
-serves any layer. A layer's chunk is one of two kinds:
+Layout (Fig. 2c of the ZipFusion paper: lossless KV compression fused with FlashInfer-style decode attention).
+The arena is ``num_chunks`` chunks of ``chunk_bytes``. Free chunks sit in one shared pool; a layer takes a chunk
+when it needs room and gives it back as soon as nothing in it is live, so freed room serves any layer. A layer's
+chunk is one of two kinds:
 
 - a **slot** chunk: ``slots_per_chunk`` slots of ``page_bytes`` (one page stored raw). Open pages live in slots,
   since they must accept writes in place; equal sizes make a freed slot reusable at once. A full page whose
@@ -337,7 +338,7 @@ class Arena:
         return pages[np.argsort(off[pages])]
 
     def compaction(self, layer: int) -> Iterator[list[tuple[int, int, int, int]]]:
-        """Plan compaction of ``layer`` as batches of moves (page, old offset, new offset, nbytes), already entered
+        """Compaction of ``layer``, as batches of moves (page, old offset, new offset, nbytes), already entered
         in the tables. Copy each batch's bytes before asking for the next: the next may reuse room the batch vacated.
         Within a batch, read every source before writing (the batch may slide pages over their own old bytes).
         Each batch moves at most one chunk's worth of bytes. Never leaves the pool smaller.

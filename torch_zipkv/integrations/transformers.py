@@ -47,7 +47,6 @@ continuing a conversation, assisted decoding), beam search and ``num_return_sequ
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 from transformers import AttentionInterface, Cache
@@ -59,7 +58,6 @@ from .. import format as fmt
 from ..cache import CompressedPagedKVCache
 
 ATTN_IMPLEMENTATION = "zipkv"
-_MiB = 1 << 20
 # (cache, layer_idx) from the last ZipKVCache.update that had no attention kwargs to carry the cache (older
 # transformers); the attention call of that layer, which comes right after it, takes it.
 _PENDING: list = [None]
@@ -174,7 +172,8 @@ class ZipKVCache(Cache):
             if max_new_tokens is not None and max_new_tokens > max_length:
                 raise ValueError(f"max_new_tokens ({max_new_tokens}) exceeds max_length ({max_length}), which counts "
                                  "prompt and new tokens")
-            kwargs = _raw_sizing(num_layers, num_kv_heads, head_dim, page_size, batch_size, max_length)
+            kwargs = CompressedPagedKVCache.raw_sizing(num_layers, num_kv_heads, head_dim, batch_size=batch_size,
+                                                       max_length=max_length, page_size=page_size)
         else:
             kwargs = {"max_bytes": max_bytes}
         kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device,
@@ -345,19 +344,6 @@ def _real_tokens(attention_mask, batch: int, length: int, device) -> torch.Tenso
     diag = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
     real = diag if diag.dtype == torch.bool else diag == 0
     return real.expand(batch, length)
-
-
-def _raw_sizing(num_layers, num_kv_heads, head_dim, page_size, batch_size, max_length) -> dict:
-    """CompressedPagedKVCache arguments with room for ``batch_size`` sequences of ``max_length`` tokens, raw."""
-    page_bytes = 2 * page_size * num_kv_heads * head_dim * 2
-    pages = batch_size * math.ceil(max_length / page_size)  # per layer
-    per_chunk = max(1, min(4 * _MiB // page_bytes, math.ceil(pages / 4)))
-    # Each layer may hold one partly used slot chunk and one packed chunk beyond its pages.
-    num_chunks = num_layers * (math.ceil(pages / per_chunk) + 2)
-    max_pages = pages + batch_size
-    id_bytes = num_layers * 2 * num_kv_heads * fmt.meta_words(page_size, head_dim) * 4
-    return {"max_bytes": num_chunks * per_chunk * page_bytes + max_pages * id_bytes,
-            "chunk_bytes": per_chunk * page_bytes, "max_pages": max_pages}
 
 
 def zipkv_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
