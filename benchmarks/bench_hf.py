@@ -6,7 +6,8 @@
 Both sides decode from a cache already holding ``--context`` tokens per sequence (random BF16 K/V written straight
 into the cache: the bar is the decode step, not prefill), random BF16 weights, one new token per sequence per step:
 - transformers: StaticCache + SDPA, the step compiled with ``torch.compile(mode="reduce-overhead")`` (CUDA Graphs),
-  as DESIGN.md §5 measured it (45 ms/step at batch 16, 82 ms/step at batch 32 on the H200);
+  transformers' fastest decode path (45 ms/step at batch 16, 82 ms/step at batch 32 on the H200 when it was first
+  measured; current figures and how to reproduce them: docs/performance.md);
 - zipkv: ``torch_zipkv.enable(model)`` + ZipKVCache; per step ``cache.begin_step()`` on the host (compressing full
   pages, planning the step), then the step compiled the same way (``--zipkv-compile``: reduce-overhead by default).
 Reported: median ms per step over ``--steps`` (host work included), tokens/s, speedup, and the bytes-read floor
