@@ -3,7 +3,7 @@ FlashInfer 0.6.12 (CUDA-core and tensor-core decode) and torch SDPA on contiguou
 
     python benchmarks/bench_decode.py --out DIR [--iters 100] [--quick]
 
-Method (DESIGN.md §5): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
+Method (results and how to reproduce them: docs/performance.md): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
 KV per request, pages in random order, L2 flushed before every timed call (by reading a 256 MB buffer), median of
 --iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64).
 Every variant of a case is timed round-robin (one call of each per round, in a fresh random order each round), so a
@@ -120,16 +120,13 @@ def compressible_randn(shape, gen) -> torch.Tensor:
 
 def store(kv: torch.Tensor, allow_compress: bool) -> torch_zipkv.CompressedKV:
     n, _, P, H, D = kv.shape
-    cap = n * 2 * H * fmt.blocks_per_stream(P, D) * fmt.RAW_BLOCK_BYTES
-    data = torch.empty(cap, dtype=torch.uint8, device=kv.device)
-    meta = torch.full((n, 2, H, fmt.meta_words(P, D)), -1, dtype=torch.int32, device=kv.device)
-    cursor = torch.tensor([0, cap], dtype=torch.int64, device=kv.device)
+    data, meta, cursor = torch_zipkv.empty_storage(n, P, H, D, kv.device)
     ids = torch.arange(n, dtype=torch.int32, device=kv.device)
     chunk = 8192  # bounded staging per call
     for s in range(0, n, chunk):
         ops.compress_pages(kv[s : s + chunk], ids[s : s + chunk], data, meta, cursor, allow_compress=allow_compress)
     used = int(cursor[0])
-    assert used <= cap
+    assert used <= data.numel()
     return torch_zipkv.CompressedKV(data=data[:used], meta=meta, page_size=P, head_dim=D)
 
 
@@ -171,7 +168,7 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     num_pages = batch * pages_per_req
     indptr, indices, last, q, kv = case_inputs(shape, ctx, batch, gen, device)
     scale = 1 / math.sqrt(D)
-    raw_bytes = num_pages * 2 * PAGE * Hkv * D * 2
+    raw_bytes = num_pages * fmt.raw_page_bytes(PAGE, Hkv, D)
 
     row = {"shape": shape["name"], "ctx": ctx, "batch": batch, "raw_kv_bytes": raw_bytes}
     meta_shape = torch.empty(1, 2, Hkv, fmt.meta_words(PAGE, D), dtype=torch.int32, device=device)

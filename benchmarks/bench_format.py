@@ -20,7 +20,6 @@ import sys
 import torch
 
 import torch_zipkv
-from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
 
@@ -66,10 +65,8 @@ def time_cuda(fn, iters: int, before=None) -> float:
 def throughput(name: str, kv: torch.Tensor, iters: int) -> dict:
     n, _, P, H, D = kv.shape
     raw = kv.numel() * 2
-    cap = n * 2 * H * fmt.blocks_per_stream(P, D) * fmt.RAW_BLOCK_BYTES
-    data = torch.empty(cap, dtype=torch.uint8, device="cuda")
-    meta = torch.full((n, 2, H, fmt.meta_words(P, D)), -1, dtype=torch.int32, device="cuda")
-    cursor = torch.tensor([0, cap], dtype=torch.int64, device="cuda")
+    data, meta, cursor = torch_zipkv.empty_storage(n, P, H, D, "cuda")
+    cap = data.numel()
     ids = torch.arange(n, dtype=torch.int32, device="cuda")
     out = torch.empty_like(kv)
     copy_dst = torch.empty_like(kv)

@@ -6,7 +6,8 @@
 Both sides decode from a cache already holding ``--context`` tokens per sequence (random BF16 K/V written straight
 into the cache: the bar is the decode step, not prefill), random BF16 weights, one new token per sequence per step:
 - transformers: StaticCache + SDPA, the step compiled with ``torch.compile(mode="reduce-overhead")`` (CUDA Graphs),
-  as DESIGN.md §5 measured it (45 ms/step at batch 16, 82 ms/step at batch 32 on the H200);
+  transformers' fastest decode path (45 ms/step at batch 16, 82 ms/step at batch 32 on the H200 when it was first
+  measured; current figures and how to reproduce them: docs/performance.md);
 - zipkv: ``torch_zipkv.enable(model)`` + ZipKVCache; per step ``cache.begin_step()`` on the host (compressing full
   pages, planning the step), then the step compiled the same way (``--zipkv-compile``: reduce-overhead by default).
 Reported: median ms per step over ``--steps`` (host work included), tokens/s, speedup, and the bytes-read floor
@@ -26,7 +27,7 @@ import torch
 import transformers
 
 import torch_zipkv
-from torch_zipkv.integrations.transformers import ZipKVCache
+from torch_zipkv.integrations.transformers import ZipKVCache, cache_kwarg
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072)
@@ -53,9 +54,10 @@ def time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync, bef
     ``compile_mode`` (eager if None); ``before_step`` runs on the host first and counts toward the step."""
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
-    def forward(token, position, cache_position):
-        return model(input_ids=token, position_ids=position, cache_position=cache_position, past_key_values=cache,
-                     use_cache=True).logits[:, -1]
+    cache_kw = {cache_kwarg(model): cache}
+
+    def forward(token, position):
+        return model(input_ids=token, position_ids=position, use_cache=True, **cache_kw).logits[:, -1]
 
     fn = torch.compile(forward, mode=compile_mode, fullgraph=True) if compile_mode else forward
 
@@ -64,7 +66,7 @@ def time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync, bef
             p = ctx + i
             if before_step is not None:
                 before_step()
-            fn(token, torch.full((batch, 1), p, device=device), torch.tensor([p], device=device))
+            fn(token, torch.full((batch, 1), p, device=device))
 
     return timed_steps(step, steps, sync)
 
@@ -73,7 +75,7 @@ def transformers_path(model, batch, ctx, steps, device, compile_mode, sync) -> f
     cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     with torch.no_grad():  # one token initializes the static tensors; then they hold ctx random tokens
-        model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([0], device=device))
+        model(input_ids=token, use_cache=True, **{cache_kwarg(model): cache})
         for layer in cache.layers:
             layer.keys[:, :, :ctx].normal_()
             layer.values[:, :, :ctx].normal_()
@@ -91,8 +93,9 @@ def zipkv_path(model, batch, ctx, steps, device, compile_mode, sync) -> tuple[fl
         for sid in cache.seq_ids:
             k, v = torch.randn(2, ctx, kv.num_kv_heads, kv.head_dim, device=device).to(torch.bfloat16)
             kv.append(layer, sid, k, v)
-        cache.layers[layer].seen = ctx
         cache.layers[layer].is_initialized = True
+    cache.positions.fill_(ctx)
+    cache.touched = True
     kv.compress_full_pages()
     return time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync, cache.begin_step), kv.stats()
 

@@ -1,31 +1,56 @@
 // Host-side argument checks shared by the CPU and CUDA kernels. They read only shapes, dtypes, devices and strides
 // (never tensor contents), so they cost no device sync; every message names the op and the argument.
+//
+// Error policy (docs/api.md, Errors): a wrong dtype raises TypeError (TORCH_CHECK_TYPE); a wrong shape, size, device,
+// contiguity, alignment or value raises ValueError (TORCH_CHECK_VALUE), and so does bad content of an argument found
+// by a CPU kernel (page ids, page tables, meta rows). The fake kernels in torch_zipkv/ops.py make the same checks.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cmath>
-#include <utility>
+#include <string>
 
 #include "format.h"
 
 namespace zipkv {
 
+constexpr int kMaxGroup = 16;  // paged_decode: query heads per kv head (at most two MMA N tiles of 8)
+
+// The supported head dims as torch_zipkv.format.HEAD_DIMS prints them, "(64, 128, 256)", for messages.
+inline std::string head_dims_text() {
+  std::string s;
+  for (int d : kHeadDims) s += (s.empty() ? "(" : ", ") + std::to_string(d);
+  return s + ")";
+}
+
+// A dtype as Python prints it ("torch.bfloat16"): the kernels' messages are the fake kernels' word for word.
+inline std::string dtype_name(at::ScalarType dtype) {
+  return "torch." + std::string(c10::getDtypeNames(dtype).first);
+}
+
 inline void check_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int64_t dim,
                          const at::Device& device) {
-  TORCH_CHECK(t.scalar_type() == dtype, "zipkv.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "zipkv.", op, ": ", name, " must have ", dim, " dims, got shape ", t.sizes());
-  TORCH_CHECK(t.device() == device, "zipkv.", op, ": ", name, " must be on ", device, " (like the other tensors), got ",
-              t.device());
-  TORCH_CHECK(t.is_contiguous(), "zipkv.", op, ": ", name, " must be contiguous");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "zipkv.", op, ": ", name, " must be ", dtype_name(dtype), ", got ",
+                   dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.dim() == dim, "zipkv.", op, ": ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == device, "zipkv.", op, ": ", name, " must be on ", device,
+                    " (like the other tensors), got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "zipkv.", op, ": ", name, " must be contiguous");
+}
+
+// Fresh tensors are; an odd slice or view need not be. The CUDA kernels move these tensors in 16-byte words.
+inline void check_aligned(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "zipkv.", op, ": ", name,
+                    " must start at a 16-byte aligned address (a fresh tensor, not an odd slice)");
 }
 
 inline void check_geometry(const char* op, int64_t page_size, int64_t head_dim) {
-  TORCH_CHECK(page_size > 0 && page_size % kTileTokens == 0 && page_size <= kMaxPageSize, "zipkv.", op,
-              ": page_size must be a multiple of ", kTileTokens, " in [", kTileTokens, ", ", kMaxPageSize, "], got ",
-              page_size);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "zipkv.", op,
-              ": head_dim must be 64, 128 or 256, got ", head_dim);
+  TORCH_CHECK_VALUE(page_size > 0 && page_size % kTileTokens == 0 && page_size <= kMaxPageSize, "zipkv.", op,
+                    ": page_size must be a multiple of ", kTileTokens, " in [", kTileTokens, ", ", kMaxPageSize,
+                    "], got ", page_size);
+  TORCH_CHECK_VALUE(head_dim_supported(head_dim), "zipkv.", op, ": head_dim must be one of ", head_dims_text(),
+                    ", got ", head_dim);
 }
 
 // data: uint8 [capacity] (16-byte aligned); meta: int32 [num_pages, 2, num_kv_heads, meta_words].
@@ -34,33 +59,32 @@ inline void check_storage(const char* op, const at::Tensor& data, const at::Tens
   const at::Device device = data.device();
   check_tensor(data, op, "data", at::kByte, 1, device);
   check_tensor(meta, op, "meta", at::kInt, 4, device);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(data.data_ptr()) % 16 == 0, "zipkv.", op,
-              ": data must start at a 16-byte aligned address (a fresh tensor, not an odd slice)");
-  TORCH_CHECK(meta.size(1) == 2 && meta.size(2) == num_kv_heads &&
-                  meta.size(3) == meta_words(static_cast<int>(page_size), static_cast<int>(head_dim)),
-              "zipkv.", op, ": meta must have shape [num_pages, 2, ", num_kv_heads, ", ",
-              meta_words(static_cast<int>(page_size), static_cast<int>(head_dim)), "] for page_size ", page_size,
-              " and head_dim ", head_dim, ", got ", meta.sizes());
-  TORCH_CHECK(meta.size(0) < (int64_t{1} << 31), "zipkv.", op, ": meta has too many pages for int32 page ids");
+  check_aligned(data, op, "data");
+  const int words = meta_words(static_cast<int>(page_size), static_cast<int>(head_dim));
+  TORCH_CHECK_VALUE(meta.size(1) == 2 && meta.size(2) == num_kv_heads && meta.size(3) == words, "zipkv.", op,
+                    ": meta must have shape [num_pages, 2, ", num_kv_heads, ", ", words, "] for page_size ",
+                    page_size, " and head_dim ", head_dim, ", got ", meta.sizes());
+  TORCH_CHECK_VALUE(meta.size(0) < (int64_t{1} << 31), "zipkv.", op, ": meta has too many pages for int32 page ids");
 }
 
 inline void check_index(const char* op, const char* name, const at::Tensor& t, int64_t n, const at::Device& device) {
   check_tensor(t, op, name, at::kInt, 1, device);
-  TORCH_CHECK(t.size(0) == n, "zipkv.", op, ": ", name, " must have ", n, " entries, got ", t.size(0));
+  TORCH_CHECK_VALUE(t.size(0) == n, "zipkv.", op, ": ", name, " must have ", n, " entries, got ", t.size(0));
 }
 
 // The arena's bump pointer: int64 [2] = {next free byte, end of usable bytes}.
 inline void check_cursor(const char* op, const at::Tensor& cursor, const at::Device& device) {
   check_tensor(cursor, op, "cursor", at::kLong, 1, device);
-  TORCH_CHECK(cursor.size(0) == 2, "zipkv.", op, ": cursor must be int64 [2] = {next, end}, got shape ",
-              cursor.sizes());
+  TORCH_CHECK_VALUE(cursor.size(0) == 2, "zipkv.", op, ": cursor must be int64 [2] = {next, end}, got shape ",
+                    cursor.sizes());
 }
 
 // kv: bf16 [n, 2, page_size, num_kv_heads, head_dim] (compress input or decompress output).
 inline void check_pages(const char* op, const char* name, const at::Tensor& kv, const at::Device& device) {
   check_tensor(kv, op, name, at::kBFloat16, 5, device);
-  TORCH_CHECK(kv.size(1) == 2, "zipkv.", op, ": ", name,
-              " must be [n, 2, page_size, num_kv_heads, head_dim] with K and V stacked on dim 1, got ", kv.sizes());
+  TORCH_CHECK_VALUE(kv.size(1) == 2, "zipkv.", op, ": ", name,
+                    " must be [n, 2, page_size, num_kv_heads, head_dim] with K and V stacked on dim 1, got ",
+                    kv.sizes());
   check_geometry(op, kv.size(2), kv.size(4));
 }
 
@@ -88,20 +112,26 @@ inline void check_append_args(const at::Tensor& k, const at::Tensor& v, const at
   const char* op = "append_kv";
   check_tensor(k, op, "k", at::kBFloat16, 3, data.device());
   check_tensor(v, op, "v", at::kBFloat16, 3, data.device());
-  TORCH_CHECK(v.sizes() == k.sizes(), "zipkv.append_kv: v must have the shape of k ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "zipkv.append_kv: v must have the shape of k ", k.sizes(), ", got ",
+                    v.sizes());
   check_geometry(op, page_size, k.size(2));
   check_storage(op, data, meta, page_size, k.size(2), k.size(1));
   check_index(op, "page_ids", page_ids, k.size(0), data.device());
   check_index(op, "slots", slots, k.size(0), data.device());
 }
 
+inline void check_window_left(const char* op, int64_t window_left) {
+  TORCH_CHECK_VALUE(window_left >= -1 && window_left < (int64_t{1} << 31), "zipkv.", op, ": window_left must be -1 ",
+                    "(no window) or a token count in [0, 2^31), got ", window_left);
+}
+
 // q's heads in GQA groups of 1-16 per kv head (num_kv_heads: meta's, -1 when meta has the wrong rank).
 inline void check_group(const char* op, int64_t num_qo_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0, "zipkv.", op, ": q has ", num_qo_heads,
-              " heads, not a multiple of meta's ", num_kv_heads, " kv heads");
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0, "zipkv.", op, ": q has ", num_qo_heads,
+                    " heads, not a multiple of meta's ", num_kv_heads, " kv heads");
   const int64_t group = num_qo_heads / num_kv_heads;
-  TORCH_CHECK(group >= 1 && group <= 16, "zipkv.", op, ": GQA group size (num_qo_heads / num_kv_heads) must be in",
-              " [1, 16], got ", group);
+  TORCH_CHECK_VALUE(group >= 1 && group <= kMaxGroup, "zipkv.", op, ": q's GQA group size (num_qo_heads / ",
+                    "num_kv_heads) must be in [1, ", kMaxGroup, "], got ", group);
 }
 
 inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
@@ -109,10 +139,9 @@ inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const
                               const at::Tensor& kv_last_page_len, int64_t page_size, const at::Tensor& out,
                               const std::optional<at::Tensor>& lse, int64_t window_left, double logits_soft_cap) {
   const char* op = "paged_decode";
-  TORCH_CHECK(window_left >= -1 && window_left < (int64_t{1} << 31), "zipkv.paged_decode: window_left must be -1 (no ",
-              "window) or a token count >= 0, got ", window_left);
-  TORCH_CHECK(logits_soft_cap >= 0.0 && std::isfinite(logits_soft_cap), "zipkv.paged_decode: logits_soft_cap must be ",
-              "0 (off) or a finite cap > 0, got ", logits_soft_cap);
+  check_window_left(op, window_left);
+  TORCH_CHECK_VALUE(logits_soft_cap >= 0.0 && std::isfinite(logits_soft_cap), "zipkv.paged_decode: logits_soft_cap ",
+                    "must be 0 (off) or a finite cap > 0, got ", logits_soft_cap);
   const at::Device device = data.device();
   check_tensor(q, op, "q", at::kBFloat16, 3, device);
   check_geometry(op, page_size, q.size(2));
@@ -124,17 +153,28 @@ inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const
   check_tensor(kv_indices, op, "kv_indices", at::kInt, 1, device);
   check_index(op, "kv_last_page_len", kv_last_page_len, batch, device);
   check_tensor(out, op, "out", at::kBFloat16, 3, device);
-  TORCH_CHECK(out.sizes() == q.sizes(), "zipkv.paged_decode: out must have q's shape ", q.sizes(), ", got ",
-              out.sizes());
-  // The CUDA kernels move q and out in 4- to 16-byte words.
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"out", &out}})
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "zipkv.paged_decode: ", name,
-                " must start at a 16-byte aligned address (a fresh tensor, not an odd slice)");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "zipkv.paged_decode: out must have q's shape ", q.sizes(), ", got ",
+                    out.sizes());
+  check_aligned(q, op, "q");
+  check_aligned(out, op, "out");
   if (lse.has_value()) {
     check_tensor(*lse, op, "lse", at::kFloat, 2, device);
-    TORCH_CHECK(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [", batch,
-                ", ", num_qo_heads, "], got ", lse->sizes());
+    TORCH_CHECK_VALUE(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [",
+                      batch, ", ", num_qo_heads, "], got ", lse->sizes());
   }
+}
+
+// decode_plan's arguments (a host query: q and meta are read for their shapes and device only).
+inline void check_plan_args(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages, int64_t page_size,
+                            int64_t window_left) {
+  const char* op = "decode_plan";
+  check_window_left(op, window_left);
+  check_tensor(q, op, "q", at::kBFloat16, 3, q.device());
+  check_geometry(op, page_size, q.size(2));
+  TORCH_CHECK_VALUE(meta.dim() == 4, "zipkv.decode_plan: meta must be [num_pages, 2, num_kv_heads, meta_words], got ",
+                    "shape ", meta.sizes());
+  check_group(op, q.size(1), meta.size(2));
+  TORCH_CHECK_VALUE(nnz_pages >= 0, "zipkv.decode_plan: nnz_pages must be >= 0, got ", nnz_pages);
 }
 
 }  // namespace zipkv

@@ -1,12 +1,15 @@
-// The torch_zipkv on-device format, version 2 (docs/FORMAT.md is the prose version of this file).
+// The torch_zipkv on-device format, version 3 (kFormatVersion; docs/FORMAT.md is the prose version of this file).
 //
 // Everything that decides where a byte lives is here, as inline functions shared by the CPU (.cpp) and CUDA (.cu)
 // kernels, so both produce the same bytes by construction.
 //
-// Vocabulary
+// Vocabulary (the kernels and torch_zipkv/*.py use each word in this one sense)
 //   page    page_size tokens (a multiple of 16) of one layer's K and V, all KV heads.
 //   stream  one (page, K|V, kv_head): page_size x head_dim BF16 values, stored as a run of blocks.
-//   tile    16 consecutive tokens of a page.  block  16 tokens x 32 dims of one stream = 512 values.
+//   tile    16 consecutive tokens of a page (of a stream: its head_dim / 32 blocks of those tokens).
+//   block   16 tokens x 32 dims of one stream = 512 values, the unit that is stored raw or compressed; never a CUDA
+//           thread block, which the kernels call a CTA. (paged_decode's tile table refreshes in rounds of 32 tiles;
+//           its kHeadTiles counts MMA N tiles of 8 query heads.)
 //   Blocks of a stream are ordered tile-major: block = (token / 16) * (head_dim / 32) + dim / 32.
 //
 // A block is stored either
@@ -68,6 +71,22 @@ constexpr int kStreamAlign = 256;                        // stream offsets are s
 constexpr uint8_t kDescRaw = 0x80;
 constexpr int32_t kNoStream = -1;
 constexpr int kMaxPageSize = 128;
+
+// The head dims the format and every kernel support: the one list on the C++ side (torch_zipkv/format.py HEAD_DIMS is
+// the Python side's; test_format.py checks that they agree). X(D) is expanded once per head dim, in this order:
+// check_geometry accepts exactly these, and paged_decode dispatches on them (one paged_decode_hd<D>.cu instantiates
+// the decode kernel for each; a head dim added here without its file fails to link).
+#define ZIPKV_FOR_EACH_HEAD_DIM(X) X(64) X(128) X(256)
+
+#define ZIPKV_HEAD_DIM_ITEM_(D) D,
+constexpr int kHeadDims[] = {ZIPKV_FOR_EACH_HEAD_DIM(ZIPKV_HEAD_DIM_ITEM_)};
+#undef ZIPKV_HEAD_DIM_ITEM_
+
+constexpr bool head_dim_supported(int64_t head_dim) {
+  for (int d : kHeadDims)
+    if (head_dim == d) return true;
+  return false;
+}
 
 // Sizes that every kernel and the Python side agree on.
 ZIPKV_HD int blocks_per_stream(int page_size, int head_dim) {

@@ -46,7 +46,8 @@ TORCH_LIBRARY(zipkv, m) {
   //   q                 bf16  [batch, num_qo_heads, head_dim]
   //   data, meta        as above
   //   kv_indptr         int32 [batch + 1]   request b owns kv_indices[kv_indptr[b]:kv_indptr[b+1]]
-  //   kv_indices        int32 [nnz_pages]   page ids (rows of meta), in token order
+  //   kv_indices        int32 [nnz_pages]   page ids (rows of meta), in token order; may be longer than
+  //                                         kv_indptr[batch] (a fixed-size buffer): the rest is never read
   //   kv_last_page_len  int32 [batch]       tokens in each request's last page, in [1, page_size]
   //   sm_scale          softmax scale
   //   out               bf16  [batch, num_qo_heads, head_dim]

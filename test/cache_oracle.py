@@ -13,9 +13,7 @@ import torch
 from torch_zipkv import format as fmt
 from torch_zipkv import reference
 
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
+from conftest import bits
 
 
 def tokens(seed: int, n: int, heads: int, head_dim: int, kind: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +134,3 @@ def decode_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tenso
     indices = torch.arange(kv.shape[0], dtype=torch.int32)
     scale = sm_scale or 1 / math.sqrt(q.shape[-1])
     return reference.decode_attention(q, kv, indptr, indices, last, scale)[0]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()

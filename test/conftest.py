@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded generators, FlashInfer-style page tables, mixed compressed/raw storage, real KV."""
+"""Shared fixtures and helpers: seeded generators, FlashInfer-style page tables, mixed compressed/raw storage, test
+data, bit-exact and relative-error comparisons, real KV."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 
 import torch_zipkv
-from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,10 +50,7 @@ def store(kv: torch.Tensor, raw_pages: torch.Tensor | None = None) -> torch_zipk
     Two compress_pages calls into one arena, raw pages first, so both kinds of stream share data and meta."""
     n, _, P, H, D = kv.shape
     raw_pages = torch.zeros(n, dtype=torch.bool) if raw_pages is None else raw_pages.cpu()
-    cap = n * 2 * H * fmt.blocks_per_stream(P, D) * fmt.RAW_BLOCK_BYTES
-    data = torch.empty(cap, dtype=torch.uint8, device=kv.device)
-    meta = torch.full((n, 2, H, fmt.meta_words(P, D)), -1, dtype=torch.int32, device=kv.device)
-    cursor = torch.tensor([0, cap], dtype=torch.int64, device=kv.device)
+    data, meta, cursor = torch_zipkv.empty_storage(n, P, H, D, kv.device)
     for raw in (True, False):
         ids = raw_pages.eq(raw).nonzero().flatten().to(torch.int32)
         if ids.numel():
@@ -72,6 +69,24 @@ def compressible_kv(n, page_size, heads, head_dim, gen):
     sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
     mag = (1 + torch.rand(shape, generator=gen)) * 2.0 ** torch.randint(-3, 3, shape, generator=gen)
     return (sign * mag).to(torch.bfloat16)
+
+
+def with_zeros(kv: torch.Tensor, gen: torch.Generator, rate: float = 3e-3) -> torch.Tensor:
+    """A copy of kv with exact zeros sprinkled in, as BF16 RoPE makes them: the blocks holding one stay raw."""
+    kv = kv.clone()
+    kv[torch.rand(kv.shape, generator=gen) < rate] = 0.0
+    return kv
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bf16 bit patterns of t as int16, for bit-exact comparisons (NaN equals NaN of the same pattern)."""
+    return t.contiguous().view(torch.int16)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64, on the host (out and ref may live on different devices)."""
+    ref = ref.double().cpu()
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
 
 
 @pytest.fixture(scope="session")

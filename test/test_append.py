@@ -4,12 +4,13 @@ import pytest
 import torch
 
 import torch_zipkv
+from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
 from conftest import random_kv, store
 
 
-@pytest.mark.parametrize("page_size, head_dim", [(16, 64), (32, 128), (16, 256)])
+@pytest.mark.parametrize("page_size, head_dim", list(zip((16, 32, 16), fmt.HEAD_DIMS)))
 def test_append_fills_open_pages_token_by_token(gen, page_size, head_dim):
     heads = 2
     kv = random_kv(3, page_size, heads, head_dim, gen)
@@ -42,6 +43,6 @@ def test_append_into_compressed_page_is_refused_and_writes_nothing(gen):
     before = ckv.data.clone()
     k, v = torch.randn(2, 2, 1, 64, generator=gen).to(torch.bfloat16)
     ids = torch.tensor([0, 1], dtype=torch.int32)  # page 0 is open, page 1 compressed
-    with pytest.raises(RuntimeError, match=r"page 1 \(page_ids\[1\]\) is compressed"):
+    with pytest.raises(ValueError, match=r"page 1 \(page_ids\[1\]\) is compressed"):
         ops.append_kv(k, v, ids, torch.tensor([3, 3], dtype=torch.int32), 16, ckv.data, ckv.meta)
     assert torch.equal(ckv.data, before)

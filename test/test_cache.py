@@ -13,12 +13,11 @@ from torch_zipkv import format as fmt
 from torch_zipkv.arena import Arena
 from torch_zipkv.upload import Uploader
 
-from cache_oracle import (bits, check_accounting, check_contents, check_layout, decode_reference, live_streams, rel_err,
-                          tokens)
-from conftest import requires_cuda
+from cache_oracle import check_accounting, check_contents, check_layout, decode_reference, live_streams, tokens
+from conftest import bits, rel_err, requires_cuda
 
 H, D, P = 2, 64, 16
-PAGE_BYTES = 2 * P * H * D * 2
+PAGE_BYTES = fmt.raw_page_bytes(P, H, D)
 
 
 def make(layers=2, chunks=16, chunk_pages=4, max_pages=256, device="cpu", **kw):

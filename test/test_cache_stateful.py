@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from torch_zipkv import CacheFullError, CompressedPagedKVCache
 
-from cache_oracle import bits, check_accounting, check_contents, check_layout, decode_reference, rel_err, tokens
+from cache_oracle import check_accounting, check_contents, check_layout, decode_reference, tokens
+from conftest import bits, rel_err
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 64, 16
 WINDOW = 10  # of layer LAYERS - 1: pages fall out of it from 26 tokens on

@@ -49,12 +49,10 @@ def decode_args(gen, device="cpu"):
 def test_opcheck_every_op(gen):
     kv, ckv, q, indptr, indices, last = decode_args(gen)
     n = kv.shape[0]
-    cap = n * 2 * 2 * fmt.blocks_per_stream(16, 64) * 1024
-    data = torch.zeros(cap, dtype=torch.uint8)
-    meta = torch.full((n, 2, 2, fmt.meta_words(16, 64)), -1, dtype=torch.int32)
+    data, meta, cursor = torch_zipkv.empty_storage(n, 16, 2, 64)
     ids = torch.arange(n, dtype=torch.int32)
     z = torch.ops.zipkv
-    torch.library.opcheck(z.compress_pages.default, (kv, ids, True, data, meta, torch.tensor([0, cap])))
+    torch.library.opcheck(z.compress_pages.default, (kv, ids, True, data, meta, cursor))
     out = torch.empty_like(kv)
     torch.library.opcheck(z.decompress_pages.default, (ckv.data, ckv.meta, ids, out))
     tok = kv[:2, 0, 3].contiguous()
@@ -119,5 +117,96 @@ def test_fake_kernels_reject_bad_shapes_while_tracing():
         data = torch.empty(1024, dtype=torch.uint8, device="cuda")
         meta = torch.empty(8, 2, 3, fmt.meta_words(16, 128), dtype=torch.int32, device="cuda")  # 3 kv heads
         idx = torch.empty(5, dtype=torch.int32, device="cuda")
-        with pytest.raises(Exception, match="num_qo_heads must be a multiple of num_kv_heads"):
+        with pytest.raises(ValueError, match="q has 8 heads, not a multiple of meta's 3 kv heads"):
             make_fx(lambda q: ops.paged_decode(q, data, meta, idx, idx, idx[:4], 16), tracing_mode="fake")(q)
+
+
+def odd(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t that starts 2 bytes past a 16-byte boundary (an odd slice of a larger tensor)."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+
+def noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def bad_calls(gen):
+    """(op, args, argument index, bad value) for each check the C++ ops make on shapes, dtypes, layouts and
+    scalars: each call breaks one thing of otherwise good arguments (CPU tensors)."""
+    kv, ckv, q, indptr, indices, last = decode_args(gen)  # q [2, 8, 64] over 2 kv heads, page 16
+    data, meta = ckv.data, ckv.meta
+    out, lse = torch.empty_like(q), torch.empty(2, 8)
+    decode = (q, data, meta, indptr, indices, last, 16, 0.125, out, lse, -1, 0.0)
+    decode_bad = [
+        (10, -2), (10, 2**31), (11, -1.0), (11, float("inf")),  # window_left, logits_soft_cap
+        (0, q.half()), (0, q[:, 0].contiguous()), (0, noncontiguous(q)), (0, odd(q)),
+        (0, q[:, :3].contiguous()), (0, torch.zeros(2, 34, 64, dtype=torch.bfloat16)),  # GQA: 3 heads, group 17
+        (0, q[..., :32].contiguous()), (6, 24),  # head_dim, page_size
+        (1, data.view(torch.int8)), (1, data[:-16].view(-1, 16)), (1, data[1:]),
+        (2, meta.long()), (2, meta[..., :1].contiguous()),
+        (3, indptr.long()), (3, indptr[:2]), (4, indices[None]), (5, last[:1]),
+        (8, out.float()), (8, out[:, :4].contiguous()), (8, odd(out)), (9, lse.double()), (9, lse[:, :4].contiguous()),
+    ]
+    ids = torch.arange(kv.shape[0], dtype=torch.int32)
+    storage = torch_zipkv.empty_storage(kv.shape[0], 16, 2, 64)
+    compress = (kv, ids, True, *storage)
+    compress_bad = [
+        (0, kv.float()), (0, kv[:, 0]), (0, kv[:, :1].contiguous()), (0, noncontiguous(kv)),
+        (0, torch.zeros(6, 2, 8, 2, 64, dtype=torch.bfloat16)), (0, torch.zeros(6, 2, 16, 2, 96, dtype=torch.bfloat16)),
+        (1, ids.long()), (1, ids[:3]), (3, storage[0].view(torch.int32)), (3, storage[0][16:-16].view(-1, 16)),
+        (4, storage[1][:, :, :1].contiguous()), (5, storage[2].int()), (5, torch.zeros(3, dtype=torch.int64)),
+    ]
+    decompress = (data, meta, ids, torch.empty_like(kv))
+    decompress_bad = [(3, torch.empty_like(kv).float()), (3, torch.empty(6, 2, 64, 2, 64, dtype=torch.bfloat16)),
+                      (2, ids[:2]), (1, meta[:, :, :1].contiguous())]
+    tok = kv[:2, 0, 3].contiguous()
+    append = (tok, tok, ids[:2], ids[:2], 16, data, meta)
+    append_bad = [(0, tok.float()), (1, tok[:1]), (1, tok.float()), (4, 24), (2, ids[:1]), (3, ids[:3].long()),
+                  (6, meta[..., :1].contiguous())]
+    for op, args, bad in (("paged_decode", decode, decode_bad), ("compress_pages", compress, compress_bad),
+                          ("decompress_pages", decompress, decompress_bad), ("append_kv", append, append_bad)):
+        for i, value in bad:
+            yield op, args, i, value
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the test compares whatever each side raises)
+        return e
+    return None
+
+
+def test_fake_kernels_refuse_what_the_kernels_refuse(gen):
+    """Every check the C++ ops make on shapes, dtypes, layouts and scalars, the fake kernels make too, with the
+    same error and message: a graph that would fail at run time fails while it is traced."""
+    for op, args, i, value in bad_calls(gen):
+        args = (*args[:i], value, *args[i + 1:])
+        real = error_of(lambda: getattr(torch.ops.zipkv, op)(*args))
+        assert isinstance(real, (TypeError, ValueError)), (op, i, real)
+        with FakeTensorMode() as mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = error_of(lambda: getattr(torch.ops.zipkv, op)(*fake_args))
+        assert type(fake) is type(real) and str(fake) == str(real).splitlines()[0], (op, i, real, fake)
+
+
+def test_compile_refuses_a_bad_decode_while_tracing(gen):
+    """torch.compile(fullgraph=True) on CPU stops at the fake kernel's check: the graph is never built or run. (Dynamo
+    wraps the fake kernel's ValueError in its own RuntimeError, which quotes it.)"""
+    kv, ckv, q, indptr, indices, last = decode_args(gen)
+    built = []
+
+    def backend(gm, example_inputs):
+        built.append(gm)
+        return gm
+
+    def step(q):
+        return ops.paged_decode(q, ckv.data, ckv.meta, indptr, indices, last, 16, window_left=20)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    with pytest.raises(Exception, match=r"q's GQA group size \(num_qo_heads / num_kv_heads\) must be in \[1, 16\], "
+                                        "got 17") as caught:
+        compiled(torch.zeros(2, 34, 64, dtype=torch.bfloat16))
+    assert not built and "ValueError(" in str(caught.value)
+    assert torch.equal(compiled(q), step(q)) and len(built) == 1

@@ -5,30 +5,11 @@ import pytest
 import torch
 
 import torch_zipkv
-from torch_zipkv import format as fmt
-from torch_zipkv import ops
+from torch_zipkv import empty_storage, ops
 
-from conftest import capture_graph, random_kv, requires_cuda, spread_layers, store
+from conftest import bits, capture_graph, random_kv, requires_cuda, spread_layers, store, with_zeros
 
 pytestmark = requires_cuda
-
-
-def bits(x):
-    return x.contiguous().view(torch.int16)
-
-
-def arena(n, P, H, D, device, capacity=None):
-    capacity = capacity if capacity is not None else n * 2 * H * fmt.blocks_per_stream(P, D) * 1024
-    return (torch.zeros(capacity, dtype=torch.uint8, device=device),
-            torch.full((n, 2, H, fmt.meta_words(P, D)), -1, dtype=torch.int32, device=device),
-            torch.tensor([0, capacity], dtype=torch.int64, device=device))
-
-
-def with_zeros(kv, gen, rate=3e-3):
-    """Sprinkle exact zeros (as BF16 RoPE does) so some blocks stay raw."""
-    kv = kv.clone()
-    kv[torch.rand(kv.shape, generator=gen) < rate] = 0.0
-    return kv
 
 
 @pytest.mark.parametrize("P, H, D", [(16, 8, 128), (16, 3, 64), (16, 1, 256), (32, 2, 128), (64, 4, 256)])
@@ -36,8 +17,8 @@ def with_zeros(kv, gen, rate=3e-3):
 def test_cuda_bytes_equal_cpu_bytes(gen, P, H, D, allow_compress):
     kv = with_zeros(random_kv(37, P, H, D, gen), gen)
     ids = torch.randperm(37, generator=gen).to(torch.int32)  # rows in random order
-    cpu = arena(37, P, H, D, "cpu")
-    gpu = arena(37, P, H, D, "cuda")
+    cpu = empty_storage(37, P, H, D, "cpu")
+    gpu = empty_storage(37, P, H, D, "cuda")
     ops.compress_pages(kv, ids, *cpu, allow_compress=allow_compress)
     ops.compress_pages(kv.cuda(), ids.cuda(), *gpu, allow_compress=allow_compress)
     for c, g in zip(cpu, gpu):
@@ -49,7 +30,7 @@ def test_cuda_bytes_equal_cpu_bytes(gen, P, H, D, allow_compress):
 def test_many_ctas_and_appending_calls_match_cpu(gen):
     """Thousands of CTAs chain their offsets through the look-back; a second call appends after the first."""
     kv = with_zeros(random_kv(3000, 16, 2, 128, gen), gen)
-    cpu, gpu = arena(3000, 16, 2, 128, "cpu"), arena(3000, 16, 2, 128, "cuda")
+    cpu, gpu = empty_storage(3000, 16, 2, 128, "cpu"), empty_storage(3000, 16, 2, 128, "cuda")
     for part, allow in ((slice(0, 1000), False), (slice(1000, 3000), True)):
         ids = torch.arange(3000, dtype=torch.int32)[part]
         ops.compress_pages(kv[part], ids, *cpu, allow_compress=allow)
@@ -93,9 +74,9 @@ def test_overflow_stores_a_prefix_and_reports_it(gen, allow_compress):
     """CUDA cannot raise without a sync: streams past cursor[1] are not written, their rows read -1 and cursor[0]
     advances by the bytes needed, so cursor[0] > cursor[1] tells the caller."""
     kv = random_kv(64, 16, 1, 64, gen)  # 128 streams: several CTAs
-    need = torch_zipkv.compress(kv, compress=allow_compress).data.numel()
+    need = torch_zipkv.compress(kv, allow_compress=allow_compress).data.numel()
     stream_bytes = 1536 if allow_compress else 2048
-    data, meta, cursor = arena(64, 16, 1, 64, "cuda", capacity=need)
+    data, meta, cursor = empty_storage(64, 16, 1, 64, "cuda", capacity=need)
     cursor[1] = need // 2
     ops.compress_pages(kv.cuda(), torch.arange(64, dtype=torch.int32, device="cuda"), data, meta, cursor,
                        allow_compress=allow_compress)
@@ -122,7 +103,7 @@ def test_storage_ops_capture_in_cuda_graph(gen):
     n, P, H, D = 8, 16, 2, 128
     kv = torch.empty(n, 2, P, H, D, dtype=torch.bfloat16, device="cuda")
     tok = torch.empty(2, 1, H, D, dtype=torch.bfloat16, device="cuda")
-    data, meta, cursor = arena(n + 1, P, H, D, "cuda")
+    data, meta, cursor = empty_storage(n + 1, P, H, D, "cuda")
     ids = torch.arange(n, dtype=torch.int32, device="cuda")
     open_id = torch.tensor([n], dtype=torch.int32, device="cuda")
     all_ids = torch.arange(n + 1, dtype=torch.int32, device="cuda")
@@ -154,7 +135,7 @@ def test_storage_ops_capture_in_cuda_graph(gen):
 def test_opcheck_cuda(gen):
     kv = random_kv(4, 16, 2, 64, gen).cuda()
     ids = torch.arange(4, dtype=torch.int32, device="cuda")
-    data, meta, cursor = arena(4, 16, 2, 64, "cuda")
+    data, meta, cursor = empty_storage(4, 16, 2, 64, "cuda")
     torch.library.opcheck(torch.ops.zipkv.compress_pages.default, (kv, ids, True, data, meta, cursor))
     ckv = torch_zipkv.compress(kv)
     torch.library.opcheck(torch.ops.zipkv.decompress_pages.default, (ckv.data, ckv.meta, ids, torch.empty_like(kv)))

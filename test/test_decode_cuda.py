@@ -10,21 +10,10 @@ import torch
 import torch_zipkv
 from torch_zipkv import format as fmt, reference
 
-from conftest import (capture_graph, compressible_kv, page_table, random_kv, requires_cuda, spread_layers,
-                      store)
+from conftest import (capture_graph, compressible_kv, page_table, random_kv, rel_err, requires_cuda, spread_layers,
+                      store, with_zeros)
 
 pytestmark = requires_cuda
-
-
-def rel_err(out, ref):
-    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
-
-
-def with_zeros(kv, gen, rate=3e-3):
-    """Exact zeros, as BF16 RoPE makes them: the blocks holding one stay raw."""
-    kv = kv.clone()
-    kv[torch.rand(kv.shape, generator=gen) < rate] = 0.0
-    return kv
 
 
 def decode_both(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None, **kw):
@@ -52,7 +41,7 @@ def check(out_g, lse_g, out_c, ref, ref_lse, tol=1e-2):
     torch.testing.assert_close(lse_g.double(), ref_lse, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 12, 16])
 def test_matches_reference_and_cpu_mixed_pages(gen, head_dim, group):
     heads = 2
@@ -111,7 +100,7 @@ def test_all_raw_and_all_compressed_give_identical_bits(gen):
     indptr, indices, last = page_table([300, 77, 33], 16, 30, gen, device="cuda")
     q = torch.randn(3, 16, 128, generator=gen).to(torch.bfloat16).cuda()
     comp = torch_zipkv.compress(kv.cuda())
-    raw = torch_zipkv.compress(kv.cuda(), compress=False)
+    raw = torch_zipkv.compress(kv.cuda(), allow_compress=False)
     assert comp.compressed_block_fraction == 1.0 and raw.compressed_block_fraction == 0.0
     out_comp = torch_zipkv.paged_decode(q, comp, indptr, indices, last)
     out_raw = torch_zipkv.paged_decode(q, raw, indptr, indices, last)
@@ -121,7 +110,7 @@ def test_all_raw_and_all_compressed_give_identical_bits(gen):
 
 
 @pytest.mark.parametrize("batch, heads, seq", [(1, 1, 9000), (2, 2, 5000), (3, 8, 2051), (400, 2, 40)])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", fmt.HEAD_DIMS)
 def test_split_and_unsplit_plans(gen, batch, heads, seq, D):
     """Few long requests are split across CTAs and merged (the first case into more than 32 splits: the merge's
     lanes then hold two splits each; every head_dim: its own vector width in the merge); many short ones run one CTA
@@ -144,7 +133,7 @@ def plan_of(batch, num_qo_heads, num_kv_heads, head_dim, nnz_pages, page_size=16
     """This device's launch plan for a decode of these shapes (only shapes are read)."""
     q = torch.empty(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     meta = torch.empty(1, 2, num_kv_heads, fmt.meta_words(page_size, head_dim), dtype=torch.int32, device="cuda")
-    return torch_zipkv.ops.decode_plan(q, meta, nnz_pages, page_size, window_left)
+    return torch_zipkv.ops.decode_plan(q, meta, nnz_pages, page_size, window_left=window_left)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -244,6 +233,21 @@ def test_garbage_past_the_last_token_is_ignored(gen):
     out = torch_zipkv.paged_decode(q.cuda(), ckv, indptr.cuda(), indices.cuda(), last.cuda()).cpu()
     ref, _ = reference.decode_attention(q, kv, indptr, indices, last, 1 / 8)
     assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+
+
+def test_kv_indices_longer_than_the_table(gen):
+    """Entries of kv_indices from kv_indptr[-1] on, out-of-range ids included, are never read (a compiled step's
+    fixed-size table): the output is the exact table's, bit for bit, and the CPU kernel's within bf16 rounding."""
+    kv = random_kv(12, 16, 2, 128, gen)
+    ckv = store(kv.cuda(), torch.rand(12, generator=gen) < 0.4)
+    indptr, indices, last = page_table([20, 70, 33], 16, 12, gen, device="cuda")
+    q = torch.randn(3, 8, 128, generator=gen).to(torch.bfloat16).cuda()
+    exact = torch_zipkv.paged_decode(q, ckv, indptr, indices, last)
+    padded = torch.cat([indices, torch.tensor([-7, 12, 1 << 30, 0], dtype=torch.int32, device="cuda")])
+    out = torch_zipkv.paged_decode(q, ckv, indptr, padded, last)
+    assert torch.equal(out.view(torch.int16), exact.view(torch.int16)) and not out.isnan().any()
+    ref, _ = reference.decode_attention(q.cpu(), kv, indptr.cpu(), indices.cpu(), last.cpu(), 128 ** -0.5)
+    assert rel_err(out.cpu(), ref) < 1e-2
 
 
 def test_real_kv_mixed_pages(real_kv, gen):

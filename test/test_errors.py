@@ -1,11 +1,15 @@
-"""Bad input gets a clear error naming the argument, and leaves storage untouched."""
+"""Bad input gets a clear error naming the argument, of the type docs/api.md (Errors) gives its kind of mistake:
+TypeError for a wrong Python type or dtype, ValueError for a wrong shape, device, layout or value (contents the CPU
+kernels find included), RuntimeError for a full arena. Storage is left untouched."""
+
+import re
 
 import pytest
 import torch
 
 import torch_zipkv
+from torch_zipkv import empty_storage, ops
 from torch_zipkv import format as fmt
-from torch_zipkv import ops
 
 from conftest import page_table, random_kv, store
 
@@ -25,13 +29,13 @@ def decode(q, ckv, indptr, indices, last, **kw):
 
 def test_compress_rejects_bad_kv(setup):
     kv = setup[0]
-    with pytest.raises(RuntimeError, match="kv must be BFloat16"):
+    with pytest.raises(TypeError, match="compress: kv must be torch.bfloat16, got torch.float32"):
         torch_zipkv.compress(kv.float())
     with pytest.raises(ValueError, match=r"kv must be \[num_pages, 2"):
         torch_zipkv.compress(kv[:, 0])
-    with pytest.raises(RuntimeError, match="kv must be contiguous"):
+    with pytest.raises(ValueError, match="kv must be contiguous"):
         torch_zipkv.compress(kv.transpose(0, 1).contiguous().transpose(0, 1))
-    with pytest.raises(ValueError, match="head_dim must be one of"):
+    with pytest.raises(ValueError, match=re.escape(f"head_dim must be one of {fmt.HEAD_DIMS}, got 96")):
         torch_zipkv.compress(torch.zeros(1, 2, 16, 1, 96, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="page_size must be a multiple of 16"):
         torch_zipkv.compress(torch.zeros(1, 2, 8, 1, 64, dtype=torch.bfloat16))
@@ -39,33 +43,28 @@ def test_compress_rejects_bad_kv(setup):
         torch_zipkv.compress([1, 2])
 
 
-def arena(kv, capacity=None):
-    n, _, P, H, D = kv.shape
-    capacity = capacity or n * 2 * H * fmt.blocks_per_stream(P, D) * 1024
-    return (torch.zeros(capacity, dtype=torch.uint8), torch.full((n, 2, H, fmt.meta_words(P, D)), -1,
-            dtype=torch.int32), torch.tensor([0, capacity]))
-
-
 def test_compress_pages_rejects_bad_ids_cursor_and_full_arena(setup):
     kv = setup[0]
-    data, meta, cursor = arena(kv)
+    data, meta, cursor = empty_storage(4, 16, 2, 64)  # kv's pages
     ids = torch.arange(4, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"page_ids\[2\] = 9 is out of range \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"page_ids\[2\] = 9 is out of range \[0, 4\)"):
         ops.compress_pages(kv, torch.tensor([0, 1, 9, 3], dtype=torch.int32), data, meta, cursor)
-    with pytest.raises(RuntimeError, match="page_ids holds page 1 twice"):
+    with pytest.raises(ValueError, match="page_ids holds page 1 twice"):
         ops.compress_pages(kv, torch.tensor([0, 1, 1, 3], dtype=torch.int32), data, meta, cursor)
-    with pytest.raises(RuntimeError, match="page_ids must be Int"):
+    with pytest.raises(TypeError, match="page_ids must be torch.int32, got torch.int64"):
         ops.compress_pages(kv, ids.long(), data, meta, cursor)
-    with pytest.raises(RuntimeError, match="page_ids must have 4 entries"):
+    with pytest.raises(ValueError, match="page_ids must have 4 entries"):
         ops.compress_pages(kv, ids[:3], data, meta, cursor)
-    with pytest.raises(RuntimeError, match="cursor must hold"):
+    with pytest.raises(ValueError, match="cursor must hold"):
         ops.compress_pages(kv, ids, data, meta, torch.tensor([100, 200]))
-    with pytest.raises(RuntimeError, match=r"meta must have shape \[num_pages, 2, 2, 2\]"):
+    with pytest.raises(ValueError, match=r"meta must have shape \[num_pages, 2, 2, 2\]"):
         ops.compress_pages(kv, ids, data, meta[..., :1].contiguous(), cursor)
-    with pytest.raises(RuntimeError, match="data must be Byte"):
+    with pytest.raises(TypeError, match="data must be torch.uint8, got torch.int32"):
         ops.compress_pages(kv, ids, data.view(torch.int32), meta, cursor)
-    small_data, meta2, small_cursor = arena(kv, capacity=4096)
-    with pytest.raises(RuntimeError, match="data is full"):
+    with pytest.raises(TypeError, match="zipkv.compress_pages: allow_compress must be a bool, got str"):
+        ops.compress_pages(kv, ids, data, meta, cursor, allow_compress="yes")
+    small_data, meta2, small_cursor = empty_storage(4, 16, 2, 64, capacity=4096)
+    with pytest.raises(RuntimeError, match="data is full"):  # a state, not a bad value: RuntimeError
         ops.compress_pages(kv, ids, small_data, meta2, small_cursor)
     assert (meta2 == -1).all() and small_cursor.tolist() == [0, 4096]  # nothing written, cursor unchanged
     assert (meta == -1).all() and cursor[0] == 0
@@ -73,46 +72,46 @@ def test_compress_pages_rejects_bad_ids_cursor_and_full_arena(setup):
 
 def test_decode_rejects_bad_page_table(setup):
     kv, ckv, q, indptr, indices, last = setup
-    with pytest.raises(RuntimeError, match=r"kv_indices\[1\] = 4 is out of range \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"kv_indices\[1\] = 4 is out of range \[0, 4\)"):
         decode(q, ckv, indptr, torch.tensor([0, 4, 1, 2], dtype=torch.int32)[: indices.numel()], last)
-    with pytest.raises(RuntimeError, match=r"kv_indices\[0\] = -1 is out of range"):
+    with pytest.raises(ValueError, match=r"kv_indices\[0\] = -1 is out of range"):
         decode(q, ckv, indptr, torch.full_like(indices, -1), last)
-    with pytest.raises(RuntimeError, match="kv_indptr must be non-decreasing"):
+    with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
         decode(q, ckv, torch.tensor([0, 3, 2], dtype=torch.int32), indices[:2], last)
-    with pytest.raises(RuntimeError, match=r"kv_indptr\[2\] = 5 must equal kv_indices.numel\(\)"):
+    with pytest.raises(ValueError, match=r"kv_indptr\[2\] = 5 exceeds kv_indices.numel\(\) = 4"):
         decode(q, ckv, torch.tensor([0, 2, 5], dtype=torch.int32), indices, last)
-    with pytest.raises(RuntimeError, match=r"kv_indptr\[0\] must be 0"):
+    with pytest.raises(ValueError, match=r"kv_indptr\[0\] must be 0"):
         decode(q, ckv, indptr + 1, indices, last)
-    with pytest.raises(RuntimeError, match=r"kv_last_page_len\[1\] = 17 must be in \[1, page_size = 16\]"):
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[1\] = 17 must be in \[1, page_size = 16\]"):
         decode(q, ckv, indptr, indices, torch.tensor([4, 17], dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="kv_last_page_len must have 2 entries"):
+    with pytest.raises(ValueError, match="kv_last_page_len must have 2 entries"):
         decode(q, ckv, indptr, indices, last[:1])
-    with pytest.raises(RuntimeError, match="kv_indices must be Int"):
+    with pytest.raises(TypeError, match="kv_indices must be torch.int32, got torch.int64"):
         decode(q, ckv, indptr, indices.long(), last)
 
 
 def test_decode_rejects_bad_q_out_lse(setup):
     kv, ckv, q, indptr, indices, last = setup
-    with pytest.raises(RuntimeError, match="q must be BFloat16"):
+    with pytest.raises(TypeError, match="q must be torch.bfloat16, got torch.float16"):
         decode(q.half(), ckv, indptr, indices, last)
-    with pytest.raises(RuntimeError, match="q has 3 heads, not a multiple of meta's 2 kv heads"):
+    with pytest.raises(ValueError, match="q has 3 heads, not a multiple of meta's 2 kv heads"):
         decode(q[:, :3].contiguous(), ckv, indptr, indices, last)
-    with pytest.raises(RuntimeError, match=r"GQA group size .* must be in \[1, 16\], got 17"):
+    with pytest.raises(ValueError, match=r"q's GQA group size .* must be in \[1, 16\], got 17"):
         decode(torch.zeros(2, 34, 64, dtype=torch.bfloat16), ckv, indptr, indices, last)
-    with pytest.raises(RuntimeError, match="q must be contiguous"):
+    with pytest.raises(ValueError, match="q must be contiguous"):
         decode(q.transpose(0, 1).contiguous().transpose(0, 1), ckv, indptr, indices, last)
-    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256, got 32"):
+    with pytest.raises(ValueError, match=re.escape(f"head_dim must be one of {fmt.HEAD_DIMS}, got 32")):
         decode(q[..., :32].contiguous(), ckv, indptr, indices, last)
-    with pytest.raises(RuntimeError, match="out must have q's shape"):
+    with pytest.raises(ValueError, match="out must have q's shape"):
         decode(q, ckv, indptr, indices, last, out=torch.empty(2, 4, 32, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="lse must be"):
+    with pytest.raises(ValueError, match="lse must be"):
         decode(q, ckv, indptr, indices, last, lse=torch.empty(2, 3))
     odd = torch.empty(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)  # contiguous, 2 bytes off
-    with pytest.raises(RuntimeError, match="q must start at a 16-byte aligned address"):
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
         decode(odd.copy_(q), ckv, indptr, indices, last)
-    with pytest.raises(RuntimeError, match="out must start at a 16-byte aligned address"):
+    with pytest.raises(ValueError, match="out must start at a 16-byte aligned address"):
         decode(q, ckv, indptr, indices, last, out=odd)
-    with pytest.raises(RuntimeError, match="kv_indptr must be on cpu"):
+    with pytest.raises(ValueError, match="kv_indptr must be on cpu"):
         decode(q, ckv, indptr.to("meta"), indices, last)
 
 
@@ -134,10 +133,10 @@ def test_corrupted_meta_is_detected_everywhere(setup, corrupt, message):
     corrupt(bad.meta[2])
     with pytest.raises(ValueError, match=rf"meta\[2, K, head 0\] {message}"):
         bad.validate()
-    with pytest.raises(RuntimeError, match=rf"meta\[2, K, head 0\] {message}"):
+    with pytest.raises(ValueError, match=rf"zipkv.decompress_pages: meta\[2, K, head 0\] {message}"):
         torch_zipkv.decompress(bad)
     all_pages = torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         decode(q[:1], bad, all_pages[0][:2].clone(), all_pages[1], last[:1].clone().fill_(16))
     ckv.validate()  # the intact original passes
 
@@ -147,11 +146,78 @@ def test_append_rejects_bad_slots_and_pages(setup):
     ckv = store(kv, raw_pages=torch.ones(4, dtype=torch.bool))
     k = kv[:2, 0, 0].contiguous()
     ids = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"slots\[1\] = 16 is out of range \[0, 16\)"):
+    with pytest.raises(ValueError, match=r"slots\[1\] = 16 is out of range \[0, 16\)"):
         ops.append_kv(k, k, ids, torch.tensor([0, 16], dtype=torch.int32), 16, ckv.data, ckv.meta)
-    with pytest.raises(RuntimeError, match=r"page_ids\[0\] = 7 is out of range"):
+    with pytest.raises(ValueError, match=r"page_ids\[0\] = 7 is out of range"):
         ops.append_kv(k, k, torch.tensor([7, 1], dtype=torch.int32), ids, 16, ckv.data, ckv.meta)
-    with pytest.raises(RuntimeError, match="v must have the shape of k"):
+    with pytest.raises(ValueError, match="v must have the shape of k"):
         ops.append_kv(k, k[:1], ids, ids, 16, ckv.data, ckv.meta)
-    with pytest.raises(RuntimeError, match="page_size must be a multiple of 16"):
+    with pytest.raises(ValueError, match="page_size must be a multiple of 16"):
         ops.append_kv(k, k, ids, ids, 24, ckv.data, ckv.meta)
+
+
+def test_decode_rejects_bad_options(setup):
+    kv, ckv, q, indptr, indices, last = setup
+    for window_left in (-2, 2**31):
+        with pytest.raises(ValueError, match=rf"window_left must be -1 \(no window\) or .* got {window_left}"):
+            decode(q, ckv, indptr, indices, last, window_left=window_left)
+    for cap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap must be 0 \\(off\\) or a finite cap > 0"):
+            decode(q, ckv, indptr, indices, last, logits_soft_cap=cap)
+
+
+def test_wrappers_reject_wrong_python_types(setup):
+    """torch.ops itself raises RuntimeError for an argument of the wrong Python type; the wrappers name it in a
+    TypeError first."""
+    kv, ckv, q, indptr, indices, last = setup
+    with pytest.raises(TypeError, match="zipkv.paged_decode: page_size must be an int, got float"):
+        ops.paged_decode(q, ckv.data, ckv.meta, indptr, indices, last, 16.0)
+    with pytest.raises(TypeError, match="zipkv.paged_decode: kv_indices must be a torch.Tensor, got list"):
+        ops.paged_decode(q, ckv.data, ckv.meta, indptr, [0, 1], last, 16)
+    with pytest.raises(TypeError, match="zipkv.paged_decode: window_left must be an int, got str"):
+        ops.paged_decode(q, ckv.data, ckv.meta, indptr, indices, last, 16, window_left="all")
+    with pytest.raises(TypeError, match="zipkv.decompress_pages: out must be a torch.Tensor or None, got list"):
+        ops.decompress_pages(ckv.data, ckv.meta, indices, 16, 64, out=[])
+    with pytest.raises(TypeError, match="zipkv.append_kv: slots must be a torch.Tensor, got int"):
+        ops.append_kv(q, q, indices, 3, 16, ckv.data, ckv.meta)
+    with pytest.raises(TypeError, match="paged_decode: ckv must be a CompressedKV, got tuple"):
+        decode(q, (ckv.data, ckv.meta), indptr, indices, last)
+    with pytest.raises(TypeError, match="decompress: ckv must be a CompressedKV, got Tensor"):
+        torch_zipkv.decompress(kv)
+    with pytest.raises(TypeError, match="empty_storage: head_dim must be an int, got float"):
+        empty_storage(4, 16, 2, 64.0)
+
+
+def test_paged_decode_options_are_keywords(setup):
+    """The options after page_size are keyword-only: passed by position they are refused, not misread."""
+    kv, ckv, q, indptr, indices, last = setup
+    args = (q, ckv.data, ckv.meta, indptr, indices, last, 16)
+    with pytest.raises(TypeError, match="positional argument"):
+        ops.paged_decode(*args, 0.3)
+
+
+def test_compressed_kv_checks_its_fields(setup):
+    ckv = setup[1]
+    with pytest.raises(TypeError, match="CompressedKV: data must be torch.uint8, got torch.int32"):
+        torch_zipkv.CompressedKV(ckv.meta.flatten(), ckv.meta, 16, 64)
+    with pytest.raises(TypeError, match="CompressedKV: page_size must be an int, got str"):
+        torch_zipkv.CompressedKV(ckv.data, ckv.meta, "16", 64)
+    with pytest.raises(ValueError, match=r"CompressedKV: meta must be \[num_pages, 2, num_kv_heads, 3\] for page_size "
+                                         r"64 and head_dim 64"):
+        torch_zipkv.CompressedKV(ckv.data, ckv.meta, 64, 64)
+    with pytest.raises(ValueError, match=re.escape(f"CompressedKV: head_dim must be one of {fmt.HEAD_DIMS}, got 96")):
+        torch_zipkv.CompressedKV(ckv.data, ckv.meta, 16, 96)
+    with pytest.raises(ValueError, match="CompressedKV: meta must be on data's device cpu, got meta"):
+        torch_zipkv.CompressedKV(ckv.data, ckv.meta.to("meta"), 16, 64)
+
+
+def test_empty_storage_sizes_for_the_worst_case(setup):
+    """Its default capacity holds the pages stored all raw, the most they can take."""
+    kv = setup[0]
+    data, meta, cursor = empty_storage(4, 16, 2, 64)
+    assert data.numel() == kv.numel() * 2 and not data.any() and (meta == -1).all() and meta.shape == (4, 2, 2, 2)
+    assert cursor.tolist() == [0, data.numel()] and cursor.dtype == torch.int64
+    ops.compress_pages(kv, torch.arange(4, dtype=torch.int32), data, meta, cursor, allow_compress=False)
+    assert cursor.tolist() == [data.numel(), data.numel()]
+    with pytest.raises(ValueError, match="empty_storage: num_pages must be >= 0"):
+        empty_storage(-1, 16, 2, 64)

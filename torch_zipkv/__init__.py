@@ -7,6 +7,8 @@ The high-level API:
   :class:`CompressedKV`; :func:`decompress` returns them bit-exactly.
 - :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table;
   :func:`decode_plan` tells the CUDA launch (split count, CTA layout) it would make.
+- :func:`empty_storage` allocates the storage the ops write into (``data``, ``meta``, ``cursor``) for a number of
+  pages, to drive :mod:`torch_zipkv.ops` directly.
 - :class:`CompressedPagedKVCache` keeps a model's KV cache compressed in a byte budget: sequences, appends, page
   tables, compression of full pages, capacity for the scheduler (:class:`CacheFullError` when something won't fit).
 - :class:`ZipKVCache` and :func:`enable` (HuggingFace transformers, imported on first use): a transformers ``Cache``
@@ -17,12 +19,13 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _C  # noqa: F401  (registers the zipkv ops)
 from . import ops
+from .ops import empty_storage
 from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep
 from .compressed_kv import CompressedKV, compress, decode_plan, decompress, paged_decode
 from .format import FORMAT_VERSION
 
-__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "decode_plan", "ops", "FORMAT_VERSION",
-           "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable", "generate"]
+__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "decode_plan", "empty_storage", "ops",
+           "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable", "generate"]
 
 _TRANSFORMERS_NAMES = ("ZipKVCache", "enable", "generate")
 

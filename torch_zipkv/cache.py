@@ -94,11 +94,6 @@ def _check_int(name: str, value, minimum: int | None = None) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _raw_page_bytes(page_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of one page of one layer stored raw: K and V, BF16."""
-    return 2 * page_size * num_kv_heads * head_dim * 2
-
-
 def _id_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int) -> int:
     """Bytes of the meta rows of one page id, all layers."""
     return num_layers * 2 * num_kv_heads * fmt.meta_words(page_size, head_dim) * 4
@@ -171,7 +166,7 @@ class CompressedPagedKVCache:
         self.num_layers, self.num_kv_heads, self.head_dim, self.page_size = num_layers, num_kv_heads, head_dim, \
             page_size
         self.device = device
-        self.page_bytes = _raw_page_bytes(page_size, num_kv_heads, head_dim)  # one page of one layer, raw
+        self.page_bytes = fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)  # one page of one layer, raw
         self.chunk_bytes = max(1, chunk_bytes // self.page_bytes) * self.page_bytes
         id_bytes = _id_bytes(num_layers, num_kv_heads, head_dim, page_size)  # meta of one page id, all layers
         if max_pages is None:  # ids enough for a full arena of all-compressed pages (3/4 of raw, the least)
@@ -251,7 +246,7 @@ class CompressedPagedKVCache:
         _check_int("page_size", page_size)
         _check_int("head_dim", head_dim)
         fmt.check_geometry(page_size, head_dim)
-        page_bytes = _raw_page_bytes(page_size, num_kv_heads, head_dim)
+        page_bytes = fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)
         pages = batch_size * -(-max_length // page_size)  # per layer
         per_chunk = max(1, min(_CHUNK_BYTES // page_bytes, -(-pages // 4)))
         num_chunks = num_layers * (-(-pages // per_chunk) + 2)
@@ -371,8 +366,9 @@ class CompressedPagedKVCache:
         indptr, indices, last = self.page_table(layer, seq_ids)
         if q.shape[0] != len(indptr) - 1:
             raise ValueError(f"q has {q.shape[0]} rows for {len(indptr) - 1} sequences")
-        return ops.paged_decode(q, self.data, self.meta(layer), indptr, indices, last, self.page_size, sm_scale,
-                                out, lse, self._window_left[layer], logits_soft_cap)
+        return ops.paged_decode(q, self.data, self.meta(layer), indptr, indices, last, self.page_size,
+                                sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
+                                logits_soft_cap=logits_soft_cap)
 
     def prepare_step(self, seq_ids) -> DecodeStep:
         """Prepare one decode step of ``seq_ids`` (one new token each) for every layer at once: new pages open in all
@@ -410,8 +406,8 @@ class CompressedPagedKVCache:
                     out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
         """Decode attention of one layer in a step prepared by :meth:`prepare_step` (``q`` bf16 [B, Hq, D])."""
         return ops.paged_decode(q, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
-                                step.kv_last_page_len, self.page_size, sm_scale, out, None,
-                                self._window_left[layer], logits_soft_cap)
+                                step.kv_last_page_len, self.page_size, sm_scale=sm_scale, out=out,
+                                window_left=self._window_left[layer], logits_soft_cap=logits_soft_cap)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens of ``seq_id`` in ``layer`` as bf16 ``k, v`` [tokens, num_kv_heads, head_dim], bit-identical

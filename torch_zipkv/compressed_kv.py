@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,33 @@ class CompressedKV:
     ``data`` (uint8 [nbytes]) holds the streams back to back; ``meta`` (int32 [num_pages, 2, num_kv_heads, W]) has
     one row per (page, K|V, kv head): the stream's offset and one descriptor per block. Build one with
     :func:`compress`; page ``i`` of the input is meta row ``i`` and ``kv_indices`` entries refer to these ids.
+    Construction checks the fields' types (TypeError) and shapes (ValueError); :meth:`validate` checks the contents.
     """
 
     data: torch.Tensor
     meta: torch.Tensor
     page_size: int
     head_dim: int
+
+    def __post_init__(self) -> None:
+        for name, types, what in (("data", torch.Tensor, "a torch.Tensor"), ("meta", torch.Tensor, "a torch.Tensor"),
+                                  ("page_size", numbers.Integral, "an int"), ("head_dim", numbers.Integral, "an int")):
+            if not isinstance(getattr(self, name), types):
+                raise TypeError(f"CompressedKV: {name} must be {what}, got {type(getattr(self, name)).__name__}")
+        for name, dtype in (("data", torch.uint8), ("meta", torch.int32)):
+            if getattr(self, name).dtype != dtype:
+                raise TypeError(f"CompressedKV: {name} must be {dtype}, got {getattr(self, name).dtype}")
+        error = fmt.geometry_error(self.page_size, self.head_dim)
+        if error is not None:
+            raise ValueError(f"CompressedKV: {error}")
+        words = fmt.meta_words(self.page_size, self.head_dim)
+        if self.data.dim() != 1:
+            raise ValueError(f"CompressedKV: data must be 1-D, got shape {tuple(self.data.shape)}")
+        if self.meta.dim() != 4 or self.meta.shape[1] != 2 or self.meta.shape[3] != words:
+            raise ValueError(f"CompressedKV: meta must be [num_pages, 2, num_kv_heads, {words}] for page_size "
+                             f"{self.page_size} and head_dim {self.head_dim}, got {tuple(self.meta.shape)}")
+        if self.meta.device != self.data.device:
+            raise ValueError(f"CompressedKV: meta must be on data's device {self.data.device}, got {self.meta.device}")
 
     @property
     def num_pages(self) -> int:
@@ -44,7 +66,7 @@ class CompressedKV:
     @property
     def raw_nbytes(self) -> int:
         """Bytes the same pages take as plain BF16."""
-        return self.num_pages * 2 * self.page_size * self.num_kv_heads * self.head_dim * 2
+        return self.num_pages * fmt.raw_page_bytes(self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def ratio(self) -> float:
@@ -97,26 +119,33 @@ class CompressedKV:
                 raise ValueError(f"CompressedKV.meta[{page}, {'KV'[kv]}, head {head}] {what} (blocks per stream: {nb})")
 
 
-def compress(kv: torch.Tensor, *, compress: bool = True) -> CompressedKV:
+def _require_ckv(op: str, ckv) -> None:
+    if not isinstance(ckv, CompressedKV):
+        raise TypeError(f"{op}: ckv must be a CompressedKV, got {type(ckv).__name__}")
+
+
+def compress(kv: torch.Tensor, *, allow_compress: bool = True) -> CompressedKV:
     """Store BF16 pages ``kv`` [num_pages, 2, page_size, num_kv_heads, head_dim] (FlashInfer NHD, K then V)
-    losslessly. ``compress=False`` stores every block raw in the same container.
+    losslessly. ``allow_compress=False`` stores every block raw in the same container.
 
     The result's ``data`` is sized to what was stored (this reads one int64 from the device).
     """
     if not isinstance(kv, torch.Tensor):
-        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        raise TypeError(f"compress: kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != torch.bfloat16:
+        raise TypeError(f"compress: kv must be torch.bfloat16, got {kv.dtype}")
     if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"kv must be [num_pages, 2, page_size, num_kv_heads, head_dim], got shape {tuple(kv.shape)}")
+        raise ValueError(f"compress: kv must be [num_pages, 2, page_size, num_kv_heads, head_dim], got shape "
+                         f"{tuple(kv.shape)}")
     n, _, page_size, heads, head_dim = kv.shape
-    fmt.check_geometry(page_size, head_dim)
-    capacity = n * 2 * heads * fmt.blocks_per_stream(page_size, head_dim) * fmt.RAW_BLOCK_BYTES
-    data = torch.empty(capacity, dtype=torch.uint8, device=kv.device)
-    meta = torch.full((n, 2, heads, fmt.meta_words(page_size, head_dim)), -1, dtype=torch.int32, device=kv.device)
-    cursor = torch.tensor([0, capacity], dtype=torch.int64, device=kv.device)
+    error = fmt.geometry_error(page_size, head_dim)
+    if error is not None:
+        raise ValueError(f"compress: kv's {error}")
+    data, meta, cursor = ops.empty_storage(n, page_size, heads, head_dim, kv.device)
     page_ids = torch.arange(n, dtype=torch.int32, device=kv.device)
-    ops.compress_pages(kv, page_ids, data, meta, cursor, allow_compress=compress)
+    ops.compress_pages(kv, page_ids, data, meta, cursor, allow_compress=allow_compress)
     used = int(cursor[0])
-    if used != capacity:
+    if used != data.numel():
         data = data[:used].clone()  # give the unused worst-case room back
     return CompressedKV(data=data, meta=meta, page_size=page_size, head_dim=head_dim)
 
@@ -124,6 +153,7 @@ def compress(kv: torch.Tensor, *, compress: bool = True) -> CompressedKV:
 def decompress(ckv: CompressedKV) -> torch.Tensor:
     """All pages of ``ckv`` as BF16 [num_pages, 2, page_size, num_kv_heads, head_dim], bit-identical to the input
     of :func:`compress`."""
+    _require_ckv("decompress", ckv)
     page_ids = torch.arange(ckv.num_pages, dtype=torch.int32, device=ckv.device)
     return ops.decompress_pages(ckv.data, ckv.meta, page_ids, ckv.page_size, ckv.head_dim)
 
@@ -150,13 +180,16 @@ def paged_decode(
     window, each request attends to its last ``window_left + 1`` tokens; ``logits_soft_cap`` > 0: logits
     ``x = q.k * sm_scale`` become ``cap * tanh(x / cap)`` (see :func:`torch_zipkv.ops.paged_decode`).
     """
-    return ops.paged_decode(
-        q, ckv.data, ckv.meta, kv_indptr, kv_indices, kv_last_page_len, ckv.page_size, sm_scale, out, lse,
-        window_left, logits_soft_cap
-    )
+    _require_ckv("paged_decode", ckv)
+    return ops.paged_decode(q, ckv.data, ckv.meta, kv_indptr, kv_indices, kv_last_page_len, ckv.page_size,
+                            sm_scale=sm_scale, out=out, lse=lse, window_left=window_left,
+                            logits_soft_cap=logits_soft_cap)
 
 
 def decode_plan(q: torch.Tensor, ckv: CompressedKV, kv_indices: torch.Tensor, *, window_left: int = -1) -> dict:
     """The launch :func:`paged_decode` would make for ``q`` over ``ckv`` with this page list, on a CUDA device:
     ``{"num_splits", "warps_per_cta", "ctas_per_sm"}`` (see :func:`torch_zipkv.ops.decode_plan`)."""
-    return ops.decode_plan(q, ckv.meta, kv_indices.shape[0], ckv.page_size, window_left)
+    _require_ckv("decode_plan", ckv)
+    if not isinstance(kv_indices, torch.Tensor):
+        raise TypeError(f"decode_plan: kv_indices must be a torch.Tensor, got {type(kv_indices).__name__}")
+    return ops.decode_plan(q, ckv.meta, kv_indices.shape[0], ckv.page_size, window_left=window_left)

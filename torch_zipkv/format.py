@@ -1,10 +1,12 @@
 """Python mirror of csrc/format.h: the constants and geometry of the on-device format (docs/FORMAT.md).
 
-test/test_format.py checks that these agree with the compiled kernels' bytes.
+test/test_format.py checks that these agree with the compiled kernels' bytes and with format.h's head-dim list.
 """
 
+from __future__ import annotations
+
 FORMAT_VERSION = 3  # 3: a lane's words in mma A-operand register order (docs/FORMAT.md, Versioning)
-TILE_TOKENS = 16  # tokens of one block
+TILE_TOKENS = 16  # tokens of one tile, and of one block
 BLOCK_DIMS = 32  # dims of one block
 BLOCK_VALUES = TILE_TOKENS * BLOCK_DIMS  # 512
 RAW_BLOCK_BYTES = 2 * BLOCK_VALUES  # 1024
@@ -13,15 +15,25 @@ STREAM_ALIGN = 256  # meta word 0 counts stream starts in these units
 DESC_RAW = 0x80
 NO_STREAM = -1
 MAX_PAGE_SIZE = 128
+# The head dims the format and every kernel support: the one list on the Python side (format.h's
+# ZIPKV_FOR_EACH_HEAD_DIM is the C++ side's). Tests and benchmarks that cover every head dim iterate over it.
 HEAD_DIMS = (64, 128, 256)
+
+
+def geometry_error(page_size: int, head_dim: int) -> str | None:
+    """What is wrong with this page size and head dim for the format (the kernels' message), or None if nothing."""
+    if not (page_size > 0 and page_size % TILE_TOKENS == 0 and page_size <= MAX_PAGE_SIZE):
+        return f"page_size must be a multiple of {TILE_TOKENS} in [{TILE_TOKENS}, {MAX_PAGE_SIZE}], got {page_size}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    return None
 
 
 def check_geometry(page_size: int, head_dim: int) -> None:
     """Raises ValueError unless the format supports this page size and head dim."""
-    if not (page_size > 0 and page_size % TILE_TOKENS == 0 and page_size <= MAX_PAGE_SIZE):
-        raise ValueError(f"page_size must be a multiple of {TILE_TOKENS} in [16, {MAX_PAGE_SIZE}], got {page_size}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    error = geometry_error(page_size, head_dim)
+    if error is not None:
+        raise ValueError(error)
 
 
 def blocks_per_stream(page_size: int, head_dim: int) -> int:
@@ -32,6 +44,12 @@ def blocks_per_stream(page_size: int, head_dim: int) -> int:
 def meta_words(page_size: int, head_dim: int) -> int:
     """int32 words of one meta row: the stream offset, then one descriptor byte per block, padded to a word."""
     return 1 + (blocks_per_stream(page_size, head_dim) + 3) // 4
+
+
+def raw_page_bytes(page_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one page (K and V of every kv head) in BF16. Stored with every block raw a page takes exactly this
+    much, the most it can take: ``num_pages * raw_page_bytes(...)`` bytes of data always hold ``num_pages`` pages."""
+    return 2 * page_size * num_kv_heads * head_dim * 2
 
 
 def raw_descriptor_words(page_size: int, head_dim: int) -> list[int]:

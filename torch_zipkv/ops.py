@@ -1,19 +1,88 @@
-"""Typed wrappers of the ``torch.ops.zipkv`` ops, and their fake (meta) kernels.
+"""Typed wrappers of the ``torch.ops.zipkv`` ops, the storage they write into, and their fake (meta) kernels.
 
 Every op writes into tensors the caller owns and returns nothing, so ``torch.compile(fullgraph=True)`` and CUDA
-Graphs can take them; the wrappers allocate ``out`` when it is None. Shapes use these names:
-``n`` pages in a call, ``P`` page_size, ``H`` num_kv_heads, ``D`` head_dim, ``W`` = format.meta_words(P, D).
+Graphs can take them; the wrappers allocate ``out`` when it is None, and :func:`empty_storage` allocates the storage
+(``data``, ``meta``, ``cursor``) for a number of pages. Shapes use these names: ``n`` pages in a call, ``P``
+page_size, ``H`` num_kv_heads, ``D`` head_dim, ``W`` = format.meta_words(P, D). Options are keyword-only.
+
+Errors (docs/api.md, Errors): a wrong Python type or dtype raises TypeError; a wrong shape, size, device, contiguity,
+alignment or value raises ValueError, and so does bad content the CPU kernels find (page ids, page tables, meta rows);
+a full ``data`` raises RuntimeError. Every message names the op and the argument.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from . import format as fmt
 
 zipkv = torch.ops.zipkv
+
+MAX_GROUP = 16  # paged_decode: query heads per kv head (csrc/checks.h kMaxGroup)
+_CUDA_MAX_SPLITS = 64  # the CUDA paged_decode's largest split count (csrc/cuda/paged_decode.cuh kMaxSplits)
+
+
+def empty_storage(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device | str | None = None,
+    *,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Storage for ``num_pages`` pages that holds none yet: ``(data, meta, cursor)`` for :func:`compress_pages`,
+    :func:`decompress_pages`, :func:`append_kv` and :func:`paged_decode`.
+
+    - ``data``: uint8 [capacity], zero-filled. ``capacity`` defaults to
+      ``num_pages * format.raw_page_bytes(page_size, num_kv_heads, head_dim)``, what the pages take stored all raw,
+      the most they can take: compressing them all into it never fills it.
+    - ``meta``: int32 [num_pages, 2, num_kv_heads, W] filled with -1 (format.NO_STREAM: no page stored).
+    - ``cursor``: int64 [2] = {0, capacity}: ``compress_pages`` stores from byte 0 and never past ``capacity``.
+
+    All three on ``device`` (torch's default device when None), filled on the device without waiting for it (so it
+    may be called between steps of a CUDA program; not inside a CUDA Graph capture, which cannot allocate).
+    """
+    for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("capacity", capacity)):
+        if not isinstance(value, numbers.Integral) and not (name == "capacity" and value is None):
+            raise TypeError(f"empty_storage: {name} must be an int, got {type(value).__name__}")
+    fmt.check_geometry(page_size, head_dim)
+    if num_pages < 0 or num_kv_heads < 1:
+        raise ValueError(f"empty_storage: num_pages must be >= 0 and num_kv_heads >= 1, got {num_pages} and "
+                         f"{num_kv_heads}")
+    if capacity is None:
+        capacity = num_pages * fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)
+    elif capacity < 0:
+        raise ValueError(f"empty_storage: capacity must be >= 0, got {capacity}")
+    data = torch.zeros(capacity, dtype=torch.uint8, device=device)
+    meta = torch.full((num_pages, 2, num_kv_heads, fmt.meta_words(page_size, head_dim)), fmt.NO_STREAM,
+                      dtype=torch.int32, device=data.device)
+    cursor = torch.zeros(2, dtype=torch.int64, device=data.device)
+    cursor[1:].fill_(capacity)  # a fill on the device: no host copy, so no wait for the device
+    return data, meta, cursor
+
+
+# Python types of the wrappers' arguments: torch.ops raises RuntimeError for a wrong one, the wrappers TypeError.
+_KINDS = {
+    "tensor": ((torch.Tensor,), "a torch.Tensor"),
+    "tensor?": ((torch.Tensor, type(None)), "a torch.Tensor or None"),
+    "int": ((numbers.Integral, torch.SymInt), "an int"),
+    "float": ((numbers.Real, torch.SymInt, torch.SymFloat), "a float"),
+    "float?": ((numbers.Real, torch.SymInt, torch.SymFloat, type(None)), "a float or None"),
+    "bool": ((bool,), "a bool"),
+}
+
+
+def _check_types(op: str, **args: tuple) -> None:
+    """Raises TypeError naming the first argument (name=(value, kind)) whose Python type is not its kind's."""
+    for name, (value, kind) in args.items():
+        types, what = _KINDS[kind]
+        if not isinstance(value, types):
+            raise TypeError(f"zipkv.{op}: {name} must be {what}, got {type(value).__name__}")
 
 
 def compress_pages(
@@ -27,7 +96,12 @@ def compress_pages(
 ) -> None:
     """Store full pages ``kv`` (bf16 [n, 2, P, H, D]) as meta rows ``page_ids`` (int32 [n]) in the arena ``data``
     (uint8), appending at ``cursor[0]`` (int64 [2] = {next, end}) and advancing it. ``meta``: int32 [pages, 2, H, W].
+    ``allow_compress=False`` stores every block raw. Raises RuntimeError, storing nothing, if the pages do not fit
+    before ``cursor[1]`` (the CUDA kernel cannot raise: it stores the streams that fit, the others' rows read -1, and
+    ``cursor[0]`` still advances by all the bytes needed, past ``cursor[1]``).
     """
+    _check_types("compress_pages", kv=(kv, "tensor"), page_ids=(page_ids, "tensor"), data=(data, "tensor"),
+                 meta=(meta, "tensor"), cursor=(cursor, "tensor"), allow_compress=(allow_compress, "bool"))
     zipkv.compress_pages(kv, page_ids, allow_compress, data, meta, cursor)
 
 
@@ -37,10 +111,15 @@ def decompress_pages(
     page_ids: torch.Tensor,
     page_size: int,
     head_dim: int,
+    *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rebuild pages ``page_ids`` bit-exactly as bf16 [n, 2, page_size, H, head_dim]."""
+    """Rebuild pages ``page_ids`` bit-exactly as bf16 [n, 2, page_size, H, head_dim] (into ``out`` if given)."""
+    _check_types("decompress_pages", data=(data, "tensor"), meta=(meta, "tensor"), page_ids=(page_ids, "tensor"),
+                 page_size=(page_size, "int"), head_dim=(head_dim, "int"), out=(out, "tensor?"))
     if out is None:
+        if meta.dim() != 4:
+            raise ValueError(f"zipkv.decompress_pages: meta must have 4 dims, got shape {list(meta.shape)}")
         out = torch.empty(
             (page_ids.shape[0], 2, page_size, meta.shape[2], head_dim), dtype=torch.bfloat16, device=data.device
         )
@@ -58,6 +137,8 @@ def append_kv(
     meta: torch.Tensor,
 ) -> None:
     """Write tokens ``k``, ``v`` (bf16 [n, H, D]) into slot ``slots[i]`` of raw page ``page_ids[i]``."""
+    _check_types("append_kv", k=(k, "tensor"), v=(v, "tensor"), page_ids=(page_ids, "tensor"),
+                 slots=(slots, "tensor"), page_size=(page_size, "int"), data=(data, "tensor"), meta=(meta, "tensor"))
     zipkv.append_kv(k, v, page_ids, slots, page_size, data, meta)
 
 
@@ -69,6 +150,7 @@ def paged_decode(
     kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor,
     page_size: int,
+    *,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -78,12 +160,19 @@ def paged_decode(
     """Decode attention of ``q`` (bf16 [batch, Hq, D]) over each request's pages; returns bf16 [batch, Hq, D].
 
     The page table is FlashInfer's: request b reads pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (int32),
-    all full but the last, which holds ``kv_last_page_len[b]`` tokens. ``sm_scale`` defaults to 1/sqrt(D).
+    all full but the last, which holds ``kv_last_page_len[b]`` tokens; ``kv_indices`` may be longer than
+    ``kv_indptr[-1]`` (a fixed-size buffer), the rest is never read. ``sm_scale`` defaults to 1/sqrt(D).
     ``lse`` (fp32 [batch, Hq]), if given, receives the natural-log sum of exp of the logits.
     ``window_left`` >= 0 attends to each request's last ``window_left + 1`` tokens only (a sliding window of that
     many tokens, FlashInfer's convention; pages wholly before it are never read, so they may be freed); -1 to all.
     ``logits_soft_cap`` > 0 turns each logit ``x = q.k * sm_scale`` into ``cap * tanh(x / cap)`` (Gemma 2).
+    The options (after ``page_size``) are keyword-only.
     """
+    _check_types("paged_decode", q=(q, "tensor"), data=(data, "tensor"), meta=(meta, "tensor"),
+                 kv_indptr=(kv_indptr, "tensor"), kv_indices=(kv_indices, "tensor"),
+                 kv_last_page_len=(kv_last_page_len, "tensor"), page_size=(page_size, "int"),
+                 sm_scale=(sm_scale, "float?"), out=(out, "tensor?"), lse=(lse, "tensor?"),
+                 window_left=(window_left, "int"), logits_soft_cap=(logits_soft_cap, "float"))
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if out is None:
@@ -93,7 +182,7 @@ def paged_decode(
     return out
 
 
-def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: int, window_left: int = -1) -> dict:
+def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: int, *, window_left: int = -1) -> dict:
     """The launch :func:`paged_decode` makes on a CUDA device for these shapes, without running it.
 
     Returns ``{"num_splits", "warps_per_cta", "ctas_per_sm"}``: each (request, kv head) is cut into ``num_splits``
@@ -101,6 +190,8 @@ def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: 
     ``nnz_pages`` is the length of ``kv_indices``. Only shapes are read, so it never syncs. An empty batch gives
     zeros (nothing is launched). A host query: call it outside compiled graphs.
     """
+    _check_types("decode_plan", q=(q, "tensor"), meta=(meta, "tensor"), nnz_pages=(nnz_pages, "int"),
+                 page_size=(page_size, "int"), window_left=(window_left, "int"))
     if q.device.type != "cuda":
         raise ValueError(f"zipkv.decode_plan: q must be on a CUDA device (the CPU kernel has no launch plan), got "
                          f"{q.device}")
@@ -108,81 +199,124 @@ def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: 
     return {"num_splits": splits, "warps_per_cta": warps, "ctas_per_sm": residency}
 
 
-# Fake kernels: check what the C++ kernels check from shapes alone, so errors surface while tracing.
-def _check(cond: bool, msg: str) -> None:
-    torch._check(cond, lambda: msg)
+# Fake kernels: the checks of csrc/checks.h (and of the CUDA ops, where they check shapes), in the same order, with
+# the same error types and messages, from shapes, dtypes, devices, strides and scalars alone, so that a graph that
+# would fail at run time fails while it is traced. Contents (page ids, page tables, meta rows) are the kernels' to
+# check. (FakeTensorMode logs every TypeError it sees before re-raising it.)
+def _check_value(cond, op: str, name: str, what) -> None:
+    torch._check_value(cond, lambda: f"zipkv.{op}: {name} {what() if callable(what) else what}")
 
 
-def _check_devices(op: str, data, **tensors) -> None:
-    for name, t in tensors.items():
-        _check(t is None or t.device == data.device, f"zipkv.{op}: {name} must be on {data.device} like data")
+def _check_tensor(t, op: str, name: str, dtype: torch.dtype, dim: int, device: torch.device) -> None:
+    torch._check_type(t.dtype == dtype, lambda: f"zipkv.{op}: {name} must be {dtype}, got {t.dtype}")
+    _check_value(t.dim() == dim, op, name, lambda: f"must have {dim} dims, got shape {list(t.shape)}")
+    _check_value(t.device == device, op, name, lambda: f"must be on {device} (like the other tensors), got {t.device}")
+    _check_value(t.is_contiguous(), op, name, "must be contiguous")
 
 
-def _check_storage(op: str, data, meta, page_size: int, head_dim: int, num_kv_heads: int) -> None:
-    _check(data.dtype == torch.uint8 and data.dim() == 1, f"zipkv.{op}: data must be a 1-D uint8 tensor")
-    _check(meta.dtype == torch.int32 and meta.dim() == 4, f"zipkv.{op}: meta must be a 4-D int32 tensor")
-    _check(
-        meta.shape[1] == 2 and meta.shape[2] == num_kv_heads and meta.shape[3] == fmt.meta_words(page_size, head_dim),
-        f"zipkv.{op}: meta must have shape [num_pages, 2, {num_kv_heads}, {fmt.meta_words(page_size, head_dim)}]",
-    )
+def _check_aligned(t, op: str, name: str) -> None:
+    # A tensor's storage starts aligned; its offset into that storage decides.
+    _check_value(t.storage_offset() * t.element_size() % 16 == 0, op, name,
+                 "must start at a 16-byte aligned address (a fresh tensor, not an odd slice)")
 
 
-def _check_index(op: str, name: str, t, n) -> None:
-    _check(t.dtype == torch.int32 and t.dim() == 1, f"zipkv.{op}: {name} must be a 1-D int32 tensor")
-    _check(t.shape[0] == n, f"zipkv.{op}: {name} must have {n} entries")
+def _check_geometry(op: str, page_size, head_dim) -> None:
+    error = fmt.geometry_error(page_size, head_dim)
+    torch._check_value(error is None, lambda: f"zipkv.{op}: {error}")
 
 
-def _check_pages(op: str, name: str, kv) -> None:
-    _check(kv.dtype == torch.bfloat16 and kv.dim() == 5 and kv.shape[1] == 2, f"zipkv.{op}: {name} must be bf16 "
-           "[n, 2, page_size, num_kv_heads, head_dim]")
-    fmt.check_geometry(kv.shape[2], kv.shape[4])
+def _check_storage(op: str, data, meta, page_size, head_dim, num_kv_heads) -> None:
+    _check_tensor(data, op, "data", torch.uint8, 1, data.device)
+    _check_tensor(meta, op, "meta", torch.int32, 4, data.device)
+    _check_aligned(data, op, "data")
+    words = fmt.meta_words(page_size, head_dim)
+    _check_value(meta.shape[1] == 2 and meta.shape[2] == num_kv_heads and meta.shape[3] == words, op, "meta",
+                 lambda: f"must have shape [num_pages, 2, {num_kv_heads}, {words}] for page_size {page_size} and "
+                         f"head_dim {head_dim}, got {list(meta.shape)}")
+    _check_value(meta.shape[0] < 2**31, op, "meta", "has too many pages for int32 page ids")
+
+
+def _check_index(op: str, name: str, t, n, device) -> None:
+    _check_tensor(t, op, name, torch.int32, 1, device)
+    _check_value(t.shape[0] == n, op, name, lambda: f"must have {n} entries, got {t.shape[0]}")
+
+
+def _check_pages(op: str, name: str, kv, device) -> None:
+    _check_tensor(kv, op, name, torch.bfloat16, 5, device)
+    _check_value(kv.shape[1] == 2, op, name, lambda: "must be [n, 2, page_size, num_kv_heads, head_dim] with K and V "
+                 f"stacked on dim 1, got {list(kv.shape)}")
+    _check_geometry(op, kv.shape[2], kv.shape[4])
+
+
+def _check_window_left(op: str, window_left: int) -> None:
+    _check_value(-1 <= window_left < 2**31, op, "window_left",
+                 lambda: f"must be -1 (no window) or a token count in [0, 2^31), got {window_left}")
+
+
+def _check_group(op: str, num_qo_heads, num_kv_heads) -> None:
+    _check_value(num_kv_heads > 0 and num_qo_heads % num_kv_heads == 0, op, "q",
+                 lambda: f"has {num_qo_heads} heads, not a multiple of meta's {num_kv_heads} kv heads")
+    group = num_qo_heads // num_kv_heads
+    _check_value(1 <= group <= MAX_GROUP, op, "q's", lambda: f"GQA group size (num_qo_heads / num_kv_heads) must be "
+                 f"in [1, {MAX_GROUP}], got {group}")
 
 
 @torch.library.register_fake("zipkv::compress_pages")
 def _compress_pages_fake(kv, page_ids, allow_compress, data, meta, cursor):
-    _check_pages("compress_pages", "kv", kv)
-    _check_storage("compress_pages", data, meta, kv.shape[2], kv.shape[4], kv.shape[3])
-    _check_index("compress_pages", "page_ids", page_ids, kv.shape[0])
-    _check(cursor.dtype == torch.int64 and cursor.shape == (2,), "zipkv.compress_pages: cursor must be int64 [2]")
-    _check_devices("compress_pages", data, kv=kv, page_ids=page_ids, meta=meta, cursor=cursor)
+    op = "compress_pages"
+    _check_pages(op, "kv", kv, data.device)
+    _check_storage(op, data, meta, kv.shape[2], kv.shape[4], kv.shape[3])
+    _check_index(op, "page_ids", page_ids, kv.shape[0], data.device)
+    _check_tensor(cursor, op, "cursor", torch.int64, 1, data.device)
+    _check_value(cursor.shape[0] == 2, op, "cursor", lambda: f"must be int64 [2] = {{next, end}}, got shape "
+                 f"{list(cursor.shape)}")
+    # (The CUDA kernel's grid limit, 2^31 CTAs, needs more pages than any device holds.)
 
 
 @torch.library.register_fake("zipkv::decompress_pages")
 def _decompress_pages_fake(data, meta, page_ids, out):
-    _check_pages("decompress_pages", "out", out)
-    _check_storage("decompress_pages", data, meta, out.shape[2], out.shape[4], out.shape[3])
-    _check_index("decompress_pages", "page_ids", page_ids, out.shape[0])
-    _check_devices("decompress_pages", data, meta=meta, page_ids=page_ids, out=out)
+    op = "decompress_pages"
+    _check_pages(op, "out", out, data.device)
+    _check_storage(op, data, meta, out.shape[2], out.shape[4], out.shape[3])
+    _check_index(op, "page_ids", page_ids, out.shape[0], data.device)
 
 
 @torch.library.register_fake("zipkv::append_kv")
 def _append_kv_fake(k, v, page_ids, slots, page_size, data, meta):
-    _check(k.dtype == torch.bfloat16 and k.dim() == 3 and v.shape == k.shape, "zipkv.append_kv: k and v must be "
-           "bf16 [n, num_kv_heads, head_dim] of one shape")
-    fmt.check_geometry(page_size, k.shape[2])
-    _check_storage("append_kv", data, meta, page_size, k.shape[2], k.shape[1])
-    _check_index("append_kv", "page_ids", page_ids, k.shape[0])
-    _check_index("append_kv", "slots", slots, k.shape[0])
-    _check_devices("append_kv", data, k=k, v=v, page_ids=page_ids, slots=slots, meta=meta)
+    op = "append_kv"
+    _check_tensor(k, op, "k", torch.bfloat16, 3, data.device)
+    _check_tensor(v, op, "v", torch.bfloat16, 3, data.device)
+    _check_value(v.shape == k.shape, op, "v", lambda: f"must have the shape of k {list(k.shape)}, got {list(v.shape)}")
+    _check_geometry(op, page_size, k.shape[2])
+    _check_storage(op, data, meta, page_size, k.shape[2], k.shape[1])
+    _check_index(op, "page_ids", page_ids, k.shape[0], data.device)
+    _check_index(op, "slots", slots, k.shape[0], data.device)
 
 
 @torch.library.register_fake("zipkv::paged_decode")
 def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse=None,
                        window_left=-1, logits_soft_cap=0.0):
-    _check(window_left >= -1, "zipkv.paged_decode: window_left must be -1 (no window) or a token count >= 0")
-    _check(logits_soft_cap >= 0 and math.isfinite(logits_soft_cap), "zipkv.paged_decode: logits_soft_cap must be "
-           "0 (off) or a finite cap > 0")
-    _check(q.dtype == torch.bfloat16 and q.dim() == 3, "zipkv.paged_decode: q must be bf16 [batch, Hq, D]")
-    fmt.check_geometry(page_size, q.shape[2])
-    _check(meta.dim() == 4, "zipkv.paged_decode: meta must be a 4-D int32 tensor")
-    _check_storage("paged_decode", data, meta, page_size, q.shape[2], meta.shape[2])
-    _check(q.shape[1] % meta.shape[2] == 0, "zipkv.paged_decode: num_qo_heads must be a multiple of num_kv_heads")
-    _check_index("paged_decode", "kv_indptr", kv_indptr, q.shape[0] + 1)
-    _check(kv_indices.dtype == torch.int32 and kv_indices.dim() == 1, "zipkv.paged_decode: kv_indices must be int32")
-    _check_index("paged_decode", "kv_last_page_len", kv_last_page_len, q.shape[0])
-    _check(out.shape == q.shape and out.dtype == torch.bfloat16, "zipkv.paged_decode: out must be bf16 like q")
+    op = "paged_decode"
+    _check_window_left(op, window_left)
+    _check_value(logits_soft_cap >= 0 and math.isfinite(logits_soft_cap), op, "logits_soft_cap",
+                 lambda: f"must be 0 (off) or a finite cap > 0, got {logits_soft_cap:g}")
+    _check_tensor(q, op, "q", torch.bfloat16, 3, data.device)
+    _check_geometry(op, page_size, q.shape[2])
+    num_kv_heads = meta.shape[2] if meta.dim() == 4 else -1
+    _check_storage(op, data, meta, page_size, q.shape[2], num_kv_heads)
+    batch, num_qo_heads = q.shape[0], q.shape[1]
+    _check_group(op, num_qo_heads, num_kv_heads)
+    _check_index(op, "kv_indptr", kv_indptr, batch + 1, data.device)
+    _check_tensor(kv_indices, op, "kv_indices", torch.int32, 1, data.device)
+    _check_index(op, "kv_last_page_len", kv_last_page_len, batch, data.device)
+    _check_tensor(out, op, "out", torch.bfloat16, 3, data.device)
+    _check_value(out.shape == q.shape, op, "out", lambda: f"must have q's shape {list(q.shape)}, got {list(out.shape)}")
+    _check_aligned(q, op, "q")
+    _check_aligned(out, op, "out")
     if lse is not None:
-        _check(lse.dtype == torch.float32 and lse.shape == q.shape[:2], "zipkv.paged_decode: lse must be fp32 "
-               "[batch, Hq]")
-    _check_devices("paged_decode", data, q=q, meta=meta, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                   kv_last_page_len=kv_last_page_len, out=out, lse=lse)
+        _check_tensor(lse, op, "lse", torch.float32, 2, data.device)
+        _check_value(lse.shape == (batch, num_qo_heads), op, "lse",
+                     lambda: f"must be [{batch}, {num_qo_heads}], got {list(lse.shape)}")
+    if data.device.type == "cuda" and batch > 0 and num_qo_heads > 0:
+        _check_value(batch * num_kv_heads * _CUDA_MAX_SPLITS < 2**31, op, "q's", lambda: f"batch x num_kv_heads "
+                     f"must be below 2^31 / {_CUDA_MAX_SPLITS}, got {batch} x {num_kv_heads}")

@@ -18,16 +18,16 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
   // Validate every target before writing anything, so a bad call leaves the cache untouched.
   for (int64_t i = 0; i < n; ++i) {
     check_page_id("append_kv", "page_ids", i, ids[i], num_pages);
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < P, "zipkv.append_kv: slots[", i, "] = ", slot[i], " is out of range [0, ",
-                P, ")");
+    TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < P, "zipkv.append_kv: slots[", i, "] = ", slot[i],
+                      " is out of range [0, ", P, ")");
     for (int is_v = 0; is_v < 2; ++is_v)
       for (int h = 0; h < H; ++h) {
         int64_t off;
         int nbytes;
         const uint8_t* desc = read_stream_or_throw("append_kv", data, meta, ids[i], is_v, h, nb, &off, &nbytes);
         for (int b = (slot[i] / kTileTokens) * spans; b < (slot[i] / kTileTokens + 1) * spans; ++b)
-          TORCH_CHECK(desc[b] == kDescRaw, "zipkv.append_kv: page ", ids[i], " (page_ids[", i,
-                      "]) is compressed; tokens can only be appended to open (raw) pages");
+          TORCH_CHECK_VALUE(desc[b] == kDescRaw, "zipkv.append_kv: page ", ids[i], " (page_ids[", i,
+                            "]) is compressed; tokens can only be appended to open (raw) pages");
       }
   }
   const uint16_t* src[2] = {reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),

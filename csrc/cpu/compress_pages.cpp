@@ -20,7 +20,7 @@ void compress_pages_cpu(const at::Tensor& kv, const at::Tensor& page_ids, bool a
   std::vector<uint8_t> seen(num_pages, 0);
   for (int64_t i = 0; i < n; ++i) {
     check_page_id("compress_pages", "page_ids", i, ids[i], num_pages);
-    TORCH_CHECK(!seen[ids[i]]++, "zipkv.compress_pages: page_ids holds page ", ids[i], " twice");
+    TORCH_CHECK_VALUE(!seen[ids[i]]++, "zipkv.compress_pages: page_ids holds page ", ids[i], " twice");
   }
   const auto* src = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
   const int64_t page_values = int64_t{2} * P * H * D, streams = n * 2 * H;
@@ -41,12 +41,13 @@ void compress_pages_cpu(const at::Tensor& kv, const at::Tensor& page_ids, bool a
   }
   // Layout: streams back to back in order, so the bytes do not depend on threads.
   int64_t* cur = cursor.data_ptr<int64_t>();
-  TORCH_CHECK(cur[0] >= 0 && cur[0] % kStreamAlign == 0 && cur[0] <= cur[1] && cur[1] <= data.numel(),
-              "zipkv.compress_pages: cursor must hold {next, end} with 0 <= next <= end <= data.numel() and next a ",
-              "multiple of ", kStreamAlign, ", got {", cur[0], ", ", cur[1], "}");
+  TORCH_CHECK_VALUE(cur[0] >= 0 && cur[0] % kStreamAlign == 0 && cur[0] <= cur[1] && cur[1] <= data.numel(),
+                    "zipkv.compress_pages: cursor must hold {next, end} with 0 <= next <= end <= data.numel() and ",
+                    "next a multiple of ", kStreamAlign, ", got {", cur[0], ", ", cur[1], "}");
   std::vector<int64_t> start(streams + 1);
   start[0] = cur[0];
   for (int64_t s = 0; s < streams; ++s) start[s + 1] = start[s] + block_offset(&desc[s * nb], nb);
+  // A full arena is a state, not a bad argument: RuntimeError (the cache's CacheFullError is one too).
   TORCH_CHECK(start[streams] <= cur[1], "zipkv.compress_pages: data is full: storing ", n, " pages needs ",
               start[streams] - cur[0], " bytes from cursor ", cur[0], " but only ", cur[1] - cur[0],
               " remain (end ", cur[1], ")");

@@ -49,16 +49,17 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
   const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
   const int32_t* indices = kv_indices.data_ptr<int32_t>();
   const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
-  TORCH_CHECK(indptr[0] == 0, "zipkv.paged_decode: kv_indptr[0] must be 0, got ", indptr[0]);
+  TORCH_CHECK_VALUE(indptr[0] == 0, "zipkv.paged_decode: kv_indptr[0] must be 0, got ", indptr[0]);
   // kv_indices may be longer than the table (a buffer of fixed size, so a captured step keeps one shape): entries
   // from kv_indptr[batch] on are never read.
-  TORCH_CHECK(indptr[batch] <= nnz, "zipkv.paged_decode: kv_indptr[", batch, "] = ", indptr[batch],
-              " exceeds kv_indices.numel() = ", nnz);
+  TORCH_CHECK_VALUE(indptr[batch] <= nnz, "zipkv.paged_decode: kv_indptr[", batch, "] = ", indptr[batch],
+                    " exceeds kv_indices.numel() = ", nnz);
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(indptr[b + 1] >= indptr[b], "zipkv.paged_decode: kv_indptr must be non-decreasing, but kv_indptr[",
-                b + 1, "] = ", indptr[b + 1], " < kv_indptr[", b, "] = ", indptr[b]);
-    TORCH_CHECK(indptr[b + 1] == indptr[b] || (last[b] >= 1 && last[b] <= P), "zipkv.paged_decode: kv_last_page_len[",
-                b, "] = ", last[b], " must be in [1, page_size = ", P, "]");
+    TORCH_CHECK_VALUE(indptr[b + 1] >= indptr[b], "zipkv.paged_decode: kv_indptr must be non-decreasing, but ",
+                      "kv_indptr[", b + 1, "] = ", indptr[b + 1], " < kv_indptr[", b, "] = ", indptr[b]);
+    TORCH_CHECK_VALUE(indptr[b + 1] == indptr[b] || (last[b] >= 1 && last[b] <= P),
+                      "zipkv.paged_decode: kv_last_page_len[", b, "] = ", last[b], " must be in [1, page_size = ", P,
+                      "]");
   }
   for (int64_t i = 0; i < indptr[batch]; ++i) check_page_id("paged_decode", "kv_indices", i, indices[i], num_pages);
   const float cap = static_cast<float>(logits_soft_cap), scale = static_cast<float>(sm_scale);

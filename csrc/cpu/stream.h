@@ -35,8 +35,8 @@ inline const int32_t* meta_row(const at::Tensor& meta, int64_t page, int is_v, i
   return meta.data_ptr<int32_t>() + ((page * 2 + is_v) * meta.size(2) + head) * meta.size(3);
 }
 
-// Validates meta[page][is_v][head] against data (read_stream) and raises a clear error when it is not usable;
-// returns the stream's block descriptors.
+// Validates meta[page][is_v][head] against data (read_stream) and raises ValueError naming the row when it is not
+// usable; returns the stream's block descriptors.
 inline const uint8_t* read_stream_or_throw(const char* op, const at::Tensor& data, const at::Tensor& meta, int64_t page,
                                  int is_v, int head, int nblocks, int64_t* start, int* nbytes) {
   const int32_t* row = meta_row(meta, page, is_v, head);
@@ -45,13 +45,13 @@ inline const uint8_t* read_stream_or_throw(const char* op, const at::Tensor& dat
   const char* what = status == kStreamMissing        ? "holds no stream (page never stored)"
                      : status == kStreamBadDescriptor ? "has an invalid block descriptor (corrupted)"
                                                       : "points past the end of data (corrupted, or the wrong data)";
-  TORCH_CHECK(false, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ", head, "] ", what);
+  TORCH_CHECK_VALUE(false, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ", head, "] ", what);
 }
 
-// Raises unless 0 <= id < num_pages.
+// Raises ValueError unless 0 <= id < num_pages.
 inline void check_page_id(const char* op, const char* name, int64_t i, int64_t id, int64_t num_pages) {
-  TORCH_CHECK(id >= 0 && id < num_pages, "zipkv.", op, ": ", name, "[", i, "] = ", id, " is out of range [0, ",
-              num_pages, ")");
+  TORCH_CHECK_VALUE(id >= 0 && id < num_pages, "zipkv.", op, ": ", name, "[", i, "] = ", id, " is out of range [0, ",
+                    num_pages, ")");
 }
 
 }  // namespace zipkv::cpu

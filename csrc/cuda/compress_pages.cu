@@ -222,7 +222,7 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
   const int64_t num_streams = n * 2 * H;
   const int streams_per_cta = std::max(1, kBlocksPerCta / nb);
   const int64_t num_ctas = (num_streams + streams_per_cta - 1) / streams_per_cta;
-  TORCH_CHECK(num_ctas < (int64_t{1} << 31), "zipkv.compress_pages: too many pages in one call");
+  TORCH_CHECK_VALUE(num_ctas < (int64_t{1} << 31), "zipkv.compress_pages: kv has too many pages for one call");
   const int blocks_per_warp = (streams_per_cta * nb + kWarps - 1) / kWarps;
 
   const c10::cuda::CUDAGuard guard(data.device());
@@ -243,7 +243,8 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
   static bool smem_set4 = false, smem_set8 = false;
   if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>, 4, smem_set4);
   else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>, 8, smem_set8);
-  else TORCH_CHECK(false, "zipkv.compress_pages: page_size x head_dim too large (", blocks_per_warp, " blocks per warp)");
+  else TORCH_CHECK_VALUE(false, "zipkv.compress_pages: kv's page_size x head_dim is too large (", blocks_per_warp,
+                         " blocks per warp)");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

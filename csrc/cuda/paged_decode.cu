@@ -1,5 +1,5 @@
 // CUDA op zipkv::paged_decode: argument checks, the split-KV plan, the workspace, and the dispatch on head_dim
-// (kernels in paged_decode.cuh); zipkv::decode_plan tells the plan without running it.
+// (dispatch_head_dim; kernels in paged_decode.cuh); zipkv::decode_plan tells the plan without running it.
 //
 // The plan is made on the host from shapes alone (batch, kv heads, nnz pages), never from tensor contents, so the op
 // never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle or end
@@ -39,12 +39,24 @@ int num_sms(int device) {
   return n;
 }
 
-int occupancy(int head_dim, int group, int warps) {
+// The one dispatch on head_dim: f.template operator()<D>() with D = head_dim as a compile-time constant, for each D of
+// format.h's ZIPKV_FOR_EACH_HEAD_DIM (each instantiated by its paged_decode_hd<D>.cu). Any other head_dim raises
+// ValueError (check_geometry refuses it before any dispatch).
+template <typename F>
+void dispatch_head_dim(const char* op, int head_dim, F&& f) {
   switch (head_dim) {
-    case 64: return decode::ctas_per_sm<64>(group, warps);
-    case 128: return decode::ctas_per_sm<128>(group, warps);
-    default: return decode::ctas_per_sm<256>(group, warps);
+#define ZIPKV_HEAD_DIM_CASE_(D) \
+  case D: f.template operator()<D>(); return;
+    ZIPKV_FOR_EACH_HEAD_DIM(ZIPKV_HEAD_DIM_CASE_)
+#undef ZIPKV_HEAD_DIM_CASE_
+    default: TORCH_CHECK_VALUE(false, "zipkv.", op, ": head_dim must be one of ", head_dims_text(), ", got ", head_dim);
   }
+}
+
+int occupancy(int head_dim, int group, int warps) {
+  int ctas = 0;
+  dispatch_head_dim("paged_decode", head_dim, [&]<int D>() { ctas = decode::ctas_per_sm<D>(group, warps); });
+  return ctas;
 }
 
 // Shapes the plan sees; the tile count is the batch's mean (ragged batches are planned as if even).
@@ -131,8 +143,8 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
   if (batch == 0 || q.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const int D = q.size(2), H = meta.size(2), Hq = q.size(1);
-  TORCH_CHECK(batch * H * decode::kMaxSplits < (int64_t{1} << 31),
-              "zipkv.paged_decode: batch x num_kv_heads too large");
+  TORCH_CHECK_VALUE(batch * H * decode::kMaxSplits < (int64_t{1} << 31), "zipkv.paged_decode: q's batch x ",
+                    "num_kv_heads must be below 2^31 / ", decode::kMaxSplits, ", got ", batch, " x ", H);
 
   decode::Params p{};
   p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -169,25 +181,15 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
     p.part_lse = p.part_o + p.num_splits * rows * D;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (D) {
-    case 64: decode::launch<64>(p, plan.warps, stream); break;
-    case 128: decode::launch<128>(p, plan.warps, stream); break;
-    default: decode::launch<256>(p, plan.warps, stream); break;  // check_geometry allowed only 64/128/256
-  }
+  dispatch_head_dim("paged_decode", D, [&]<int kD>() { decode::launch<kD>(p, plan.warps, stream); });
 }
 
 // The plan paged_decode would make for these shapes: {splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty
 // batch, which launches nothing.
 std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages,
                                       int64_t page_size, int64_t window_left) {
-  const char* op = "decode_plan";
-  check_tensor(q, op, "q", at::kBFloat16, 3, q.device());
-  check_geometry(op, page_size, q.size(2));
-  TORCH_CHECK(meta.dim() == 4, "zipkv.decode_plan: meta must be [num_pages, 2, num_kv_heads, meta_words]");
-  check_group(op, q.size(1), meta.size(2));
+  check_plan_args(q, meta, nnz_pages, page_size, window_left);
   const int64_t group = q.size(1) / meta.size(2);
-  TORCH_CHECK(nnz_pages >= 0, "zipkv.decode_plan: nnz_pages must be >= 0, got ", nnz_pages);
-  TORCH_CHECK(window_left >= -1, "zipkv.decode_plan: window_left must be -1 (no window) or >= 0, got ", window_left);
   if (q.size(0) == 0) return {0, 0, 0};
   const c10::cuda::CUDAGuard guard(q.device());
   const int D = q.size(2);

@@ -8,8 +8,8 @@
 // memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so one lane moves a
 // whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
 //
-// Page ids and meta rows are fetched long before use: once per block of 32 tiles each lane plans one tile of the
-// next block (from meta words it started loading a block earlier) into a tile table in shared memory, so issuing a
+// Page ids and meta rows are fetched long before use: once per round of 32 tiles each lane plans one tile of the
+// next round (from meta words it started loading a round earlier) into a tile table in shared memory, so issuing a
 // tile is a table read, a ring check and two copies (benchmarks/NOTES.md has the versions and the profile).
 //
 // Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t), transposed so that the 16
@@ -74,7 +74,7 @@ struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
-  static constexpr int kTableBytes = kWarps * 64 * 32;  // per warp, two blocks of 32 tile records
+  static constexpr int kTableBytes = kWarps * 64 * 32;  // per warp, two rounds of 32 tile records
   // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for the mbarriers.
   static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
   static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
@@ -195,7 +195,7 @@ __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, 
 
 // ---------------------------------------------------------------------------------------------- tile table
 // What issuing one tile needs about its two streams (K, V) of this kv head. Lane k of a warp holds the entry of the
-// warp's tile 32 b + k; the loads behind an entry are made a whole block of 32 tiles before it is used.
+// warp's tile 32 b + k; the loads behind an entry are made a whole round of 32 tiles before it is used.
 template <int D>
 struct Entry {
   static constexpr int kDescWords = Cfg<D>::kBlocks >= 4 ? Cfg<D>::kBlocks / 4 : 1;
@@ -206,7 +206,7 @@ struct Entry {
   uint32_t bad_before;           // invalid descriptors in those words
 };
 
-// Starts the loads of an entry (page ids come from a block earlier). For page_size > 16 the earlier descriptor words
+// Starts the loads of an entry (page ids come from a round earlier). For page_size > 16 the earlier descriptor words
 // of the stream are counted here, which waits for them (L1/L2 hits mostly: the page's other tiles read the row).
 template <int D>
 __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t page, int tile_in_page, Entry<D>& e) {
@@ -248,7 +248,7 @@ struct TileRec {
   uint32_t kinds;
 };
 
-// Validates an entry and plans its tile. Each lane plans its own tile of a block of 32, so this runs once per tile.
+// Validates an entry and plans its tile. Each lane plans its own tile of a round of 32, so this runs once per tile.
 template <int D>
 __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, const Entry<D>& e) {
   constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
@@ -402,9 +402,9 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   }
   __syncwarp();
 
-  // Tile table: records of the warp's tiles, two blocks of 32 (block k in half k % 2). At refresh(k) lane j plans
-  // tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts the loads for block k + 1
-  // (whose page ids it loaded at refresh(k - 1)) and the page ids of block k + 2: nothing waits on memory.
+  // Tile table: records of the warp's tiles, two rounds of 32 (round k in half k % 2). At refresh(k) lane j plans
+  // tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts the loads for round k + 1
+  // (whose page ids it loaded at refresh(k - 1)) and the page ids of round k + 2: nothing waits on memory.
   TileRec* table = reinterpret_cast<TileRec*>(smem + C::kPipeBytes + C::kBarBytes) + warp * 64;
   auto page_id = [&](int i) { return i < n_mine ? __ldg(p.kv_indices + begin + tile_of(i) / tiles_per_page) : -1; };
   Entry<D> pending;

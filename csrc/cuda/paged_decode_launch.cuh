@@ -1,5 +1,6 @@
 // Launch of the decode kernels for one head_dim; included by the per-head_dim instantiation files
-// (paged_decode_hd64.cu, ...) so the three builds compile in parallel and a build can leave one out.
+// (paged_decode_hd64.cu, ...), one per entry of format.h's ZIPKV_FOR_EACH_HEAD_DIM, so that they compile in parallel.
+// Every one is needed: paged_decode.cu dispatches on every listed head_dim, and a missing file fails to link.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -58,7 +59,7 @@ auto dispatch(int group, int warps, F&& f) {
 
 template <int D>
 int ctas_per_sm(int group, int warps) {
-  return dispatch<D>(group, warps, []<int kHeadTiles, int kCtas, int kWarps>() {
+  return dispatch<D>(group, warps, [&]<int kHeadTiles, int kCtas, int kWarps>() {
     return occupancy<D, kHeadTiles, kCtas, kWarps>();
   });
 }
@@ -84,8 +85,9 @@ void launch(const Params& p, int warps, cudaStream_t stream) {
   }
 }
 
-#define ZIPKV_INSTANTIATE_DECODE(D)                               \
-  template int ctas_per_sm<D>(int group, int warps);              \
+#define ZIPKV_INSTANTIATE_DECODE(D)                                                                   \
+  static_assert(::zipkv::head_dim_supported(D), "format.h's ZIPKV_FOR_EACH_HEAD_DIM does not list " #D); \
+  template int ctas_per_sm<D>(int group, int warps);                                                  \
   template void launch<D>(const Params& p, int warps, cudaStream_t stream);
 
 }  // namespace zipkv::cuda::decode
