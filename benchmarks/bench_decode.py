@@ -8,7 +8,7 @@ KV per request, pages in random order, L2 flushed before every timed call (by re
 --iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64).
 Every variant of a case is timed round-robin (one call of each per round, in a fresh random order each round), so a
 slow or fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as
-the gaps we measure (benchmarks/NOTES.md, v14, v15). Speedups are ratios of medians; "paired" speedups are medians of
+the gaps we measure (docs/decode-kernel.md, v14, v15). Speedups are ratios of medians; "paired" speedups are medians of
 the per-round ratios. Data:
 - random:    Gaussian BF16 pages with magnitudes below 2^-8 lifted to +-2^-8, so that every block compresses (the
              issue's "all blocks compressible" case; plain randn leaves ~5% of blocks raw, from rare tiny values).
@@ -38,7 +38,7 @@ from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
 # GPU spin before each timed call (~200-400 µs): a guard, as the flush alone (126 µs of GPU time on the H200) already
-# outlasts the host time of a call (FlashInfer 25-50 µs, zipkv 8-23 µs; benchmarks/NOTES.md, v15).
+# outlasts the host time of a call (FlashInfer 25-50 µs, zipkv 8-23 µs; docs/decode-kernel.md, v15).
 PAD_CYCLES = 400_000
 LLAMA = dict(name="llama3-8b", Hq=32, Hkv=8, D=128)
 SMOLLM2 = dict(name="smollm2", Hq=9, Hkv=3, D=64)
@@ -53,7 +53,7 @@ def time_round_robin(fns: dict, iters: int, flush: torch.Tensor, write_flush: bo
     fall on every variant alike, no variant always follows the same other one, and per-round ratios pair calls made
     moments apart. The flush reads a buffer 5x the L2, which leaves L2 holding only clean lines. A flush that writes
     the buffer (zero_(), Triton's do_bench habit) leaves ~50 MB of dirty lines whose write-back then runs inside the
-    timed call: 15-50 µs of DRAM time, varying between runs (benchmarks/NOTES.md, v10). --write-flush keeps that
+    timed call: 15-50 µs of DRAM time, varying between runs (docs/decode-kernel.md, v10). --write-flush keeps that
     method. A GPU spin of pad_cycles between the flush and the start event keeps the host's launch overhead (Python
     wrappers: FlashInfer's run() takes tens of µs) out of the timing: the GPU is still busy when fn() enqueues.
     """

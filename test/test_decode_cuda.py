@@ -67,7 +67,7 @@ def test_larger_pages_count_raw_blocks_before_the_tile(gen, page_size, head_dim)
 @pytest.mark.parametrize("head_dim, group", [(64, 3), (64, 12), (128, 4), (128, 16), (256, 2)])
 def test_every_raw_block_pattern_of_a_stream(gen, head_dim, group):
     """Every pattern of raw and compressed blocks inside one K or V stream (an exact zero keeps its block raw), each
-    stream with its own: the kernel rebuilds mixed streams by pattern (benchmarks/NOTES.md v12), so each pattern is
+    stream with its own: the kernel rebuilds mixed streams by pattern (docs/decode-kernel.md, v12), so each pattern is
     a code path of its own."""
     blocks, heads = head_dim // 32, 2
     patterns = 2**blocks
@@ -139,7 +139,7 @@ def plan_of(batch, num_qo_heads, num_kv_heads, head_dim, nnz_pages, page_size=16
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_six_warp_ctas(gen, group):
     """d 128: where 4-warp CTAs (3 per SM) would end in a partial wave, the plan runs one CTA of 6 warps (2 per SM)
-    per (request, kv head), a kernel variant of its own (benchmarks/NOTES.md v13). Find the smallest batch of ragged
+    per (request, kv head), a kernel variant of its own (docs/decode-kernel.md, v13). Find the smallest batch of ragged
     ~600-token requests it takes, and check that variant against the reference and the CPU kernel."""
     H, D, P = 4, 128, 16
 

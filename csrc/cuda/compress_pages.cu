@@ -1,7 +1,7 @@
 // CUDA kernel of zipkv::compress_pages, one pass over the input: each CTA encodes whole streams, learns where its
 // bytes go through a decoupled look-back over the CTAs before it (ordered by a ticket, so the layout is the CPU
 // kernel's: streams back to back from cursor[0]), then writes. No host sync: capturable in a CUDA Graph.
-// (benchmarks/NOTES.md has the versions and what each measured.)
+// (docs/decode-kernel.md has the versions and what each measured.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -27,7 +27,7 @@ constexpr int kMinTilesPerWarp = 2;  // below this per warp a split's pipeline i
 constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03,
                  kSixGain = 0.02;
 // When CTAs outnumber the slots, SMs take new CTAs as old ones finish and end unevenly: the last CTAs started run
-// with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (benchmarks/NOTES.md, v7).
+// with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (docs/decode-kernel.md, v7).
 constexpr double kTailCtaTimes = 1.5;
 // An SM streams at its full rate from 8 resident warps on (2 CTAs of 4; a lone CTA of 4 runs at about half).
 constexpr int kSaturatedWarps = 8;
@@ -113,7 +113,7 @@ double wave_time(const Shape& x, int splits, int warps) {
 
 // CTAs of 4 warps at plan_splits' count; where a 6-warp variant exists (has_six_warps), one unsplit CTA of 6 warps
 // per (request, kv head) instead if its waves are kSixGain faster. On the H200, 6 x 2 per SM has 264 slots and
-// 4 x 3 has 396: 512 CTAs fill 1.94 waves of the first and 1.29 of the second. Measured (benchmarks/NOTES.md, v13):
+// 4 x 3 has 396: 512 CTAs fill 1.94 waves of the first and 1.29 of the second. Measured (docs/decode-kernel.md, v13):
 // 2K x 64 112.8 -> 105.4 us, 8K x 64 381.9 -> 379.3; split 6-warp CTAs never beat the 4-warp plan.
 // Only from more CTAs than 4-warp slots (fewer make no partial wave: the split plan was measured there) up to two
 // waves of 6-warp CTAs (over more, uneven finishing blurs the waves and the two layouts measured the same).

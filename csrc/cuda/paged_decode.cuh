@@ -10,7 +10,7 @@
 //
 // Page ids and meta rows are fetched long before use: once per round of 32 tiles each lane plans one tile of the
 // next round (from meta words it started loading a round earlier) into a tile table in shared memory, so issuing a
-// tile is a table read, a ring check and two copies (benchmarks/NOTES.md has the versions and the profile).
+// tile is a table read, a ring check and two copies (docs/decode-kernel.md has the versions and the profile).
 //
 // Tensor-core mapping (mma.sync.m16n8k16, bf16 in, fp32 accumulate; lane = 4 g + t), transposed so that the 16
 // tokens of a tile fill the M dimension and the GQA group (at most 8 heads per N tile) the narrow N dimension: a
@@ -320,7 +320,7 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
 // Blocks kC, kC + 1 of a mixed stream (raw blocks in `mask`) in one straight line per pattern of the pair, so every
 // load and permute is a fixed instruction instead of rebuild_any's both decodes and a select per word (~65 more
 // instructions per d 128 stream). Pairs rather than whole streams: 14 whole-stream lines at d 128 made the loop's
-// code too large and real KV slower (benchmarks/NOTES.md, v12); a uniform branch does not wait for the loads
+// code too large and real KV slower (docs/decode-kernel.md, v12); a uniform branch does not wait for the loads
 // before it, so the two pairs' loads are still in flight together.
 template <int kB, int kC>
 __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base, const uint4& descs, int first,
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 
     // The lane's registers of a stream's blocks (V's bytes follow K's). An all-compressed tile (every block of random
     // data, most tiles of real V) takes one straight line for both streams, V at a fixed offset (per-stream
-    // conditions alone cost 5% at d 64: benchmarks/NOTES.md, v11). Otherwise a stream of one kind (all compressed or
+    // conditions alone cost 5% at d 64: docs/decode-kernel.md, v11). Otherwise a stream of one kind (all compressed or
     // all raw) takes a straight line from its start, a mixed one the line of its raw-block pattern, and a refused one
     // (or a mix at d 256) finds each block after the ones before it (raw 1024 bytes, compressed 768, refused 0).
     const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
