@@ -236,6 +236,8 @@ def _prefill_kv(text: str, num_tokens: int, page_size: int) -> torch.Tensor:
     """Run the prefill and rearrange the model's cache into the paged layout."""
     import transformers
 
+    from .integrations.transformers import cache_kwarg
+
     model, tokenizer = load_smollm2(torch.bfloat16)
     context = model.config.max_position_embeddings
     if num_tokens > context:
@@ -254,12 +256,12 @@ def _prefill_kv(text: str, num_tokens: int, page_size: int) -> torch.Tensor:
     cache = transformers.DynamicCache(config=model.config)
     with torch.inference_mode():
         # The decoder alone: the LM head's [num_tokens, 49152] logits are not needed.
-        model.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model.model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
 
     if cache.get_seq_length() != num_tokens:
         raise RuntimeError(
             f"The model cached {cache.get_seq_length()} tokens instead of {num_tokens}; the "
-            "installed transformers does not fill the cache passed as `past_key_values=`."
+            f"installed transformers does not fill the cache passed as `{cache_kwarg(model)}=`."
         )
     num_pages = num_tokens // page_size
     layers = []
