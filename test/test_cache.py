@@ -130,7 +130,12 @@ def test_sliding_window_argument_is_checked():
         make(layers=2, sliding_window=[None, 2.5])
     with pytest.raises(TypeError, match="sliding_window must be .* got float"):
         make(layers=2, sliding_window=8.0)
+    with pytest.raises(TypeError, match="sliding_window must be .* got bool True"):  # not a window of 1
+        make(layers=2, sliding_window=True)
+    with pytest.raises(TypeError, match="sliding_window must be .* got an entry bool False"):
+        make(layers=2, sliding_window=[None, False])
     assert make(layers=3, sliding_window=8).sliding_window == [8, 8, 8]
+    assert make(layers=2, sliding_window=[np.int64(8), None]).sliding_window == [8, None]
 
 
 def test_page_table_drives_paged_decode_and_sm_scale(gen):
@@ -233,6 +238,29 @@ def test_bad_arguments_raise_clear_errors():
         CompressedPagedKVCache(1, H, D, device="cpu", memory_fraction=0.5)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         CompressedPagedKVCache(1, H, 96, device="cpu", max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1, got -5"):
+        CompressedPagedKVCache(1, H, D, device="cpu", max_bytes=1 << 20, chunk_bytes=-5)
+    with pytest.raises(TypeError, match="memory_fraction must be a float, got str"):
+        CompressedPagedKVCache(1, H, D, device="cpu", memory_fraction="0.5")
+    with pytest.raises(ValueError, match="prompt_len must be an int >= 0, got -5"):
+        cache.capacity(-5, 0)
+    with pytest.raises(TypeError, match="prompt_len must be an int >= 0, got bool"):  # bools are not ints here
+        cache.add_sequence(True)
+    with pytest.raises(TypeError, match="seq_id must be an int, got bool"):
+        cache.seq_len(0, True)
+    with pytest.raises(TypeError, match="layer must be an int in .* got bool"):
+        cache.meta(True)
+    step = cache.prepare_step([sid])
+    for bad in (-1, 2):  # not Python's negative indexing: -1 would be the last layer
+        with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\), got " + str(bad)):
+            cache.step_append(bad, step, *tokens(0, 1, H, D))
+        with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\)"):
+            cache.step_decode(bad, step, torch.zeros(1, 2, D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="seq_id 99 is not a running sequence"):
+        cache.free_sequence(99)
+    numpy_id = cache.add_sequence(np.int64(5), np.int32(3))  # numpy ints are ints
+    assert cache.capacity(np.int64(5)).requests > 0 and cache.seq_len(np.int64(1), numpy_id) == 0
+    cache.free_sequence(np.int64(numpy_id))
     cache.free_sequence(sid)
     with pytest.raises(ValueError, match="is not a running sequence"):
         cache.gather(0, sid)
@@ -510,10 +538,172 @@ def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
         cache.append(layer, t, *tokens(2 + layer, 4 * P, H, D))  # t's 4 pages per layer: one free slot per layer
     for layer in range(2):
         cache.append(layer, s, *tokens(5 + layer, P - 3, H, D))  # s's first page is full now
-    before, meta = cache.stats(), cache._store.meta.clone()
-    with pytest.raises(CacheFullError, match="needs 2 new raw pages"):
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match=r"decode step of sequences \[0, 1\] needs 2 new raw pages in every layer"
+                       r", 2 of them beyond the sequences' budgets, but only 1 can be taken in every layer") as e:
         cache.prepare_step([s, t])  # both need a second page in both layers, beyond any budget
-    assert cache.stats() == before and torch.equal(cache._store.meta, meta)
+    assert (e.value.requested, e.value.free, e.value.unit) == (2, 1, "pages per layer")
+    assert_unchanged(cache, before)
+
+
+def snapshot(cache) -> tuple:
+    """What a refused call must leave as it was: the bytes, the meta rows, stats() and capacity()."""
+    return cache.data.clone(), cache._store.meta.clone(), cache.stats(), cache.capacity(16, 16)
+
+
+def assert_unchanged(cache, before: tuple) -> None:
+    data, meta, *rest = snapshot(cache)
+    assert torch.equal(data, before[0]) and torch.equal(meta, before[1]) and rest == list(before[2:])
+
+
+def test_a_stale_step_is_refused_and_writes_nothing():
+    """The issue's reproducer: a step planned for a, then a freed and b admitted, which takes a's page id. The old
+    step must not write b's token 0, nor read b's pages: step_append and step_decode refuse it, and b holds exactly
+    what was appended to it."""
+    cache = make(layers=1)
+    a = cache.add_sequence(0, 4)
+    old = cache.prepare_step([a])
+    cache.free_sequence(a)
+    b = cache.add_sequence(0, 4)
+    k = torch.full((3, H, D), 7.0, dtype=torch.bfloat16)
+    cache.append(0, b, k, k)
+    assert old.page_ids.tolist() == cache.page_table(0, [b])[1].tolist()  # b took a's page id
+    before = snapshot(cache)
+    bad = torch.full((1, H, D), -1.0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="step_append: the DecodeStep is stale"):
+        cache.step_append(0, old, bad, bad)
+    with pytest.raises(RuntimeError, match="step_decode: the DecodeStep is stale"):
+        cache.step_decode(0, old, torch.ones(1, H, D, dtype=torch.bfloat16))
+    assert_unchanged(cache, before)
+    check_all(cache, {(b, 0): (k, k)})
+    with pytest.raises(TypeError, match="step must be a DecodeStep from prepare_step, got NoneType"):
+        cache.step_append(0, None, bad, bad)
+
+
+@pytest.mark.parametrize("change", ["add_sequence", "free_sequence", "compress_full_pages(wait=True)",
+                                    "compress_full_pages(wait=False)", "compact"])
+def test_a_change_of_sequences_or_pages_ends_every_step_prepared_before(change):
+    """The rule: add_sequence, free_sequence, compress_full_pages and compact make every step prepared before them
+    stale, whether or not they touch its pages (here they touch none of the step's); another prepare_step or an
+    append does not. A step prepared after the change runs."""
+    cache = make(layers=2)
+    kept = {}
+    sids = [cache.add_sequence(P - 1, 8) for _ in range(3)]
+    for layer in range(2):
+        for sid in sids:
+            fill(cache, kept, layer, sid, P - 1, 10 * layer + sid)
+    old = cache.prepare_step(sids[:1])  # fills sids[0]'s first page
+    for layer in range(2):
+        cache.step_append(layer, old, *tokens(50 + layer, 1, H, D))
+    other = cache.prepare_step(sids[1:2])
+    fill(cache, kept, 0, sids[2], 1, 60)
+    assert not old.stale and not other.stale
+    if change == "add_sequence":
+        cache.add_sequence(4)
+    elif change == "free_sequence":
+        cache.free_sequence(sids[2])
+    elif change == "compact":
+        cache.compact()
+    else:
+        cache.compress_full_pages(wait=change.endswith("True)"))
+    assert old.stale and other.stale
+    for step in (old, other):
+        with pytest.raises(RuntimeError, match="stale"):
+            cache.step_append(0, step, *tokens(0, 1, H, D))
+    fresh = cache.prepare_step(sids[:1])
+    assert not fresh.stale
+    for layer in range(2):
+        cache.step_append(layer, fresh, *tokens(70 + layer, 1, H, D))
+        cache.step_decode(layer, fresh, torch.ones(1, H, D, dtype=torch.bfloat16))
+
+
+def test_a_compiled_step_never_recompiles_for_the_stale_flag_and_still_refuses_a_stale_step():
+    """A compiled step guards on ``step.stale``, which is False for every step that runs: 24 steps, with
+    compressions between them, compile once. A stale step fails the guard and is refused while it is traced
+    (Dynamo's Unsupported, a RuntimeError, quotes the message), writing nothing."""
+    cache = make(layers=2)
+    sids = [cache.add_sequence(0, 32) for _ in range(2)]
+    held = {}
+
+    def step(k, v, q):
+        for layer in range(2):
+            cache.step_append(layer, held["step"], k, v)
+            out = cache.step_decode(layer, held["step"], q)
+        return out
+
+    compiled = torch.compile(step, fullgraph=True)
+    k, q = tokens(0, 2, H, D)[0], tokens(1, 2, 2 * H, D)[0]
+    for t in range(24):
+        if t % 8 == 7:
+            cache.compress_full_pages(wait=False)
+        held["step"] = cache.prepare_step(sids)
+        with torch._dynamo.config.patch(error_on_recompile=t > 0):
+            compiled(k, k, q)
+    cache.compress_full_pages()
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="step_append: the DecodeStep is stale"):
+        compiled(k, k, q)
+    assert_unchanged(cache, before)
+
+
+def test_a_step_or_an_append_never_names_a_sequence_twice():
+    """One token per sequence: a repeated id would write two tokens to one place. Ids equal to an int but of another
+    type (True, 1.0) are refused, even where the int's batch is remembered; numpy ints and tensors are ids."""
+    cache = make()
+    s, t = cache.add_sequence(), cache.add_sequence()
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="seq_ids repeats a sequence"):
+        cache.prepare_step([s, t, s])
+    with pytest.raises(ValueError, match="seq_ids repeats a sequence"):
+        cache.append(0, torch.tensor([t, t]), *tokens(0, 2, H, D))
+    assert_unchanged(cache, before)
+    cache.page_table(0, [t])  # remembered: [True] and [1.0] equal its key
+    for bad, kind in (([True], "bool"), ([1.0], "float"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"seq_id must be an int, got {kind}"):
+            cache.page_table(0, bad)
+    with pytest.raises(TypeError, match="seq_ids must be an int or a sequence of ints, got float 1.5"):
+        cache.prepare_step(1.5)
+    assert_unchanged(cache, before)
+    cache.append(0, [np.int64(s), np.int32(t)], *tokens(0, 2, H, D))
+    cache.append(1, torch.tensor([s, t]), *tokens(1, 2, H, D))
+    step = cache.prepare_step(np.array([t, s]))
+    assert cache.seq_len(1, np.int64(t)) == 2 and step.page_ids.tolist() == cache.page_table(0, [t, s])[1].tolist()
+
+
+def test_cache_full_errors_say_what_was_asked_in_one_unit_a_scheduler_can_compare():
+    """requested > free, in the unit named: a decode step's pages in every layer (not layer 0's alone), page ids
+    where they run out first, the one layer an append names."""
+    # The issue's reproducer: 2 layers, one chunk of 2 raw pages: each layer alone could take one, both cannot.
+    c = CompressedPagedKVCache(2, 1, 64, page_size=16, max_bytes=8192 + 8 * 32, chunk_bytes=8192, max_pages=8,
+                               device="cpu")
+    s = c.add_sequence(0, 0)
+    with pytest.raises(CacheFullError, match=r"prepare_step: a decode step of sequences \[0\] needs 1 new raw pages "
+                                             r"in every layer.* only 0 can be taken in every layer") as e:
+        c.prepare_step([s])
+    assert (e.value.requested, e.value.free, e.value.unit) == (1, 0, "pages per layer")
+    assert e.value.free == c.capacity().pages
+    # Page ids run out first: 6 ids, 2 promised.
+    cache = make(layers=2, max_pages=6)
+    a = cache.add_sequence(2 * P)
+    with pytest.raises(CacheFullError, match=r"add_sequence: a budget of 80 tokens needs 5 page ids, but only 4 are "
+                                             r"free \(6 of 6 page ids free, 2 of them promised") as e:
+        cache.add_sequence(5 * P)
+    assert (e.value.requested, e.value.free, e.value.unit) == (5, 4, "page ids")
+    with pytest.raises(CacheFullError, match=r"needs 16 raw pages in every layer, but only 8 can be promised") as e:
+        make(layers=2, chunks=4).add_sequence(16 * P)
+    assert (e.value.requested, e.value.free, e.value.unit) == (16, 8, "pages per layer")
+    b = cache.add_sequence()
+    cache.append(0, b, *tokens(0, 4 * P, H, D))  # the 4 free ids
+    for layer in range(2):
+        cache.append(layer, a, *tokens(layer, 2 * P, H, D))  # a's promised ids
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match=r"append to layer 1: needs 1 page ids .* only 0 are free") as e:
+        cache.append(1, a, *tokens(0, 1, H, D))
+    assert (e.value.requested, e.value.free, e.value.unit) == (1, 0, "page ids")
+    with pytest.raises(CacheFullError, match=r"prepare_step: a decode step of sequences \[0\] needs 1 page ids") as e:
+        cache.prepare_step([a])
+    assert (e.value.requested, e.value.free, e.value.unit) == (1, 0, "page ids")
+    assert_unchanged(cache, before)
 
 
 def stored_bytes(cache, kept) -> torch.Tensor:

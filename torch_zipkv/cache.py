@@ -45,7 +45,7 @@ from . import ops
 from .arena import Arena
 from .compression_rounds import CompressionRounds
 from .page_store import PageStore
-from .token_layout import AppendLayout, Batch, DecodeStep, TokenLayouts
+from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader
 
 __all__ = ["CacheFullError", "Capacity", "CompressedPagedKVCache", "DecodeStep"]
@@ -54,8 +54,9 @@ _CHUNK_BYTES = 4 << 20  # default arena chunk size
 
 
 class CacheFullError(RuntimeError):
-    """The cache cannot hold what was asked, and nothing was changed. ``requested`` and ``free`` count ``unit``
-    (raw pages of one layer, or page ids) so a scheduler can act on them."""
+    """The cache cannot hold what was asked, and nothing was changed. ``requested`` and ``free`` count ``unit``, and
+    ``requested > free``, so a scheduler can act on them. Units: "pages per layer" (raw pages in every layer: an
+    admission, a decode step), "pages" (raw pages of the one layer an append names) or "page ids"."""
 
     def __init__(self, message: str, *, requested: int, free: int, unit: str):
         super().__init__(message)
@@ -85,9 +86,14 @@ class _Seq:
         self.num_ids += 1
 
 
+def _is_int(value) -> bool:
+    """Whether ``value`` is an int, Python or numpy. A bool is not: True would pass for 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _check_int(name: str, value, minimum: int | None = None) -> None:
     """TypeError unless ``value`` is an int (Python or numpy); ValueError if it is below ``minimum``."""
-    if not isinstance(value, (int, np.integer)):
+    if not _is_int(value):
         raise TypeError(f"{name} must be an int{'' if minimum is None else f' >= {minimum}'}, got "
                         f"{type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
@@ -154,12 +160,15 @@ class CompressedPagedKVCache:
         if (max_bytes is None) == (memory_fraction is None):
             raise ValueError("give exactly one of max_bytes and memory_fraction")
         if memory_fraction is not None:
+            if not isinstance(memory_fraction, (int, float)) or isinstance(memory_fraction, bool):
+                raise TypeError(f"memory_fraction must be a float, got {type(memory_fraction).__name__} "
+                                f"{memory_fraction!r}")
             if device.type != "cuda" or not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction must be in (0, 1] and needs a CUDA device, got {memory_fraction} "
                                  f"on {device}")
             max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
         _check_int("max_bytes", max_bytes)
-        _check_int("chunk_bytes", chunk_bytes)
+        _check_int("chunk_bytes", chunk_bytes, 1)
         if max_pages is not None:
             _check_int("max_pages", max_pages, 1)
 
@@ -202,12 +211,13 @@ class CompressedPagedKVCache:
         self._free_rows = list(range(15, -1, -1))
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self._reserved_ids = 0  # page ids promised to running sequences
+        self._generation = StepGeneration()  # of the decode steps prepared since the sequences or pages last changed
 
     @staticmethod
     def _windows(sliding_window, num_layers: int) -> list[int | None]:
         """``sliding_window`` as one entry per layer, checked."""
         expected = f"sliding_window must be None, an int >= 1, or one such entry per layer ({num_layers})"
-        if sliding_window is None or isinstance(sliding_window, int):
+        if sliding_window is None or _is_int(sliding_window):
             windows = [sliding_window] * num_layers
         else:
             try:
@@ -217,11 +227,11 @@ class CompressedPagedKVCache:
         if len(windows) != num_layers:
             raise ValueError(f"{expected}, got {sliding_window!r}")
         for w in windows:
-            if w is not None and not isinstance(w, int):
+            if w is not None and not _is_int(w):
                 raise TypeError(f"{expected}, got an entry {type(w).__name__} {w!r}")
             if w is not None and w < 1:
                 raise ValueError(f"{expected}, got {sliding_window!r}")
-        return windows
+        return [None if w is None else int(w) for w in windows]
 
     @staticmethod
     def raw_sizing(num_layers: int, num_kv_heads: int, head_dim: int, *, batch_size: int, max_length: int,
@@ -264,13 +274,14 @@ class CompressedPagedKVCache:
             _check_int(name, value, 0)
         prompt_len, max_new_tokens = int(prompt_len), int(max_new_tokens)
         budget = -(-(prompt_len + max_new_tokens) // self.page_size)
-        if budget:
-            free = self.capacity().pages
-            if budget > free:
-                raise CacheFullError(
-                    f"add_sequence: a budget of {prompt_len + max_new_tokens} tokens needs {budget} raw pages in "
-                    f"every layer, but only {free} can be promised now ({self._describe_free()})",
-                    requested=budget, free=free, unit="pages per layer")
+        pages, ids = self._room()
+        if budget > min(pages, ids):
+            what = f"add_sequence: a budget of {prompt_len + max_new_tokens} tokens needs {budget}"
+            if ids < pages:
+                raise CacheFullError(f"{what} page ids, but only {ids} are free ({self._describe_ids()})",
+                                     requested=budget, free=ids, unit="page ids")
+            raise CacheFullError(f"{what} raw pages in every layer, but only {pages} can be promised now "
+                                 f"({self._describe_free()})", requested=budget, free=pages, unit="pages per layer")
         if not self._free_rows:
             old = len(self._len)
             self._len = np.concatenate([self._len, np.zeros_like(self._len)])
@@ -284,6 +295,7 @@ class CompressedPagedKVCache:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         self._seqs[seq_id] = seq
+        self._end_steps()
         return seq_id
 
     def free_sequence(self, seq_id: int) -> None:
@@ -301,6 +313,16 @@ class CompressedPagedKVCache:
         self._free_rows.append(seq.row)
         del self._seqs[seq_id]
         self._layouts.clear()
+        self._end_steps()
+
+    def _end_steps(self) -> None:
+        """The sequences or pages changed: every decode step prepared so far is stale (:class:`StepGeneration`). A
+        freed page id goes to the next sequence that needs one, and a page compressed before the step's token reached
+        it would lose the token, so a step prepared before would write into or read what is no longer its own. One
+        rule for all steps and all such changes (not only those that touch a step's pages): simple to state, and a
+        decode loop makes these changes between steps anyway."""
+        self._generation.stale = True
+        self._generation = StepGeneration()
 
     @property
     def seq_ids(self) -> list[int]:
@@ -380,7 +402,12 @@ class CompressedPagedKVCache:
         host bookkeeping, and the tensors can feed a captured CUDA Graph. The lengths count the new tokens from
         now on, so append them to every layer before anything else reads the cache. Needs every layer at the same
         length for these sequences (else RuntimeError); raises CacheFullError, changing nothing, if the new pages do
-        not fit."""
+        not fit.
+
+        A step serves until the cache's sequences or pages change: :meth:`add_sequence`, :meth:`free_sequence`,
+        :meth:`compress_full_pages` and :meth:`compact` make every step prepared before them stale, and
+        :meth:`step_append` and :meth:`step_decode` refuse a stale step (RuntimeError). So call those between steps,
+        before this."""
         batch = self._layouts.batch(seq_ids)
         lens = self._len[batch.rows]  # [B, layers]
         start = lens[:, 0]
@@ -396,15 +423,29 @@ class CompressedPagedKVCache:
         self._len[batch.rows] = layout.end[:, None]
         if layout.filled:
             self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
-        return DecodeStep(page_ids, slots, indptr, indices, last)
+        return DecodeStep(page_ids, slots, indptr, indices, last, self._generation)
+
+    def _check_step(self, step, fn: str) -> None:
+        """TypeError unless ``step`` is a DecodeStep; RuntimeError if it is stale (its page ids may name another
+        sequence's pages now, or pages compressed since), before anything is written or read."""
+        if not isinstance(step, DecodeStep):
+            raise TypeError(f"{fn}: step must be a DecodeStep from prepare_step, got {type(step).__name__}")
+        if step.stale:
+            raise RuntimeError(f"{fn}: the DecodeStep is stale: the cache admitted or freed a sequence, or compressed "
+                               "or compacted pages, after prepare_step made it (its pages may be another sequence's "
+                               "now); do those between steps and prepare the step after them")
 
     def step_append(self, layer: int, step: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer's tokens of a step prepared by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D])."""
+        """Write one layer's tokens of a step prepared by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D]).
+        RuntimeError, writing nothing, if the step is stale."""
+        self._check_step(step, "step_append")
         ops.append_kv(k, v, step.page_ids, step.slots, self.page_size, self.data, self.meta(layer))
 
     def step_decode(self, layer: int, step: DecodeStep, q: torch.Tensor, *, sm_scale: float | None = None,
                     out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
-        """Decode attention of one layer in a step prepared by :meth:`prepare_step` (``q`` bf16 [B, Hq, D])."""
+        """Decode attention of one layer in a step prepared by :meth:`prepare_step` (``q`` bf16 [B, Hq, D]).
+        RuntimeError if the step is stale."""
+        self._check_step(step, "step_decode")
         return ops.paged_decode(q, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
                                 step.kv_last_page_len, self.page_size, sm_scale=sm_scale, out=out,
                                 window_left=self._window_left[layer], logits_soft_cap=logits_soft_cap)
@@ -430,11 +471,9 @@ class CompressedPagedKVCache:
 
     def meta(self, layer: int) -> torch.Tensor:
         """Meta rows of ``layer``: int32 [max_pages, 2, num_kv_heads, W], for ops on ``data``."""
-        try:
-            return self._store.meta_views[layer]
-        except (IndexError, TypeError):
+        if type(layer) is not int or not 0 <= layer < self.num_layers:  # one test on a decode step's path
             self._check_layer(layer)
-            raise
+        return self._store.meta_views[layer]
 
     # ---- maintenance between steps ------------------------------------------------------------------------------
     def compress_full_pages(self, wait: bool = True) -> int:
@@ -451,6 +490,7 @@ class CompressedPagedKVCache:
         leaves this call's to a later call (on CPU: always the next); meanwhile those pages stay raw where they
         are, correct to read, and their bytes come back one call later. A decode loop calls it so.
         """
+        self._end_steps()
         self._free_out_of_window()
         placed = self._compression.compress(wait)
         # Slots the pages left are scattered among open pages (after a prefill, one open page per chunk): drain
@@ -493,6 +533,7 @@ class CompressedPagedKVCache:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
         slots move to packed room, sparse slot chunks drain into others, packed chunks close their holes and the
         sparsest empty into the others' tails. Returns the bytes moved. Between steps; no device sync."""
+        self._end_steps()
         return self._move_pages(self._arena.compaction, range(self.num_layers))
 
     def _move_pages(self, moves: Callable[[int], Iterator[list]], layers: Iterable[int]) -> int:
@@ -528,8 +569,7 @@ class CompressedPagedKVCache:
             extra = np.maximum(0, want - np.maximum(-(-lens // self.page_size), budget)).sum(0)
             have_ids = np.maximum([s.num_ids for s in seqs], budget[:, 0])
             extra_ids = int(np.maximum(0, want.max(1) - have_ids).sum())
-        pages = min(self._arena.max_new_pages(extra), len(self._free_ids) - self._reserved_ids - extra_ids)
-        pages = max(0, pages)
+        pages = min(self._room(extra, extra_ids))
         per_request = -(-(prompt_len + max_new_tokens) // self.page_size)
         return Capacity(pages=pages, tokens=pages * self.page_size,
                         requests=pages // per_request if per_request else 0)
@@ -564,6 +604,18 @@ class CompressedPagedKVCache:
             "chunk_bytes": self.chunk_bytes, "fragmentation": 1 - stored / owned if owned else 0.0,
             "sequences": len(self._seqs), "free_page_ids": len(self._free_ids), "layers": layers}
 
+    def _room(self, extra: np.ndarray | None = None, extra_ids: int = 0) -> tuple[int, int]:
+        """Raw pages every layer can take beyond every promise and ``extra`` [layers] more pages, and page ids beyond
+        those promised and ``extra_ids`` more: what a new sequence may be promised, in either unit."""
+        if extra is None:
+            extra = np.zeros(self.num_layers, dtype=np.int64)
+        ids = len(self._free_ids) - self._reserved_ids - extra_ids
+        return self._arena.max_new_pages(extra), max(0, ids)
+
+    def _describe_ids(self) -> str:
+        return (f"{len(self._free_ids)} of {len(self._arena.offset[0])} page ids free, {self._reserved_ids} of them "
+                f"promised to {len(self._seqs)} running sequences")
+
     def _describe_free(self) -> str:
         a = self._arena
         return (f"{len(a.pool)} of {a.num_chunks} chunks free, {a.free_slot_count.sum()} free slots, "
@@ -583,19 +635,18 @@ class CompressedPagedKVCache:
         need_ids = [(s, j) for s, j in new if j >= s.num_ids]
         ids_beyond = sum(j >= s.budget for s, j in need_ids)
         if need_ids and ids_beyond > len(self._free_ids) - self._reserved_ids:
-            free = max(0, len(self._free_ids) - self._reserved_ids)
-            raise CacheFullError(f"append to layer {range(self.num_layers)[layers][0]}: needs {ids_beyond} page ids "
-                                 f"beyond the sequences' budgets, {free} are free ({len(self._free_ids)} of "
-                                 f"{len(self._arena.offset[0])} free, {self._reserved_ids} promised)",
+            free = self._room()[1]
+            raise CacheFullError(f"{self._what(layers, batch)} needs {ids_beyond} page ids beyond the sequences' "
+                                 f"budgets, but only {free} are free ({self._describe_ids()})",
                                  requested=ids_beyond, free=free, unit="page ids")
         if not self._arena.fits(layers, beyond):
-            # Name a layer that cannot take them alone; if each can, they only fail together: name the first.
-            ids = range(self.num_layers)[layers]
-            layer = next((x for x in ids if not self._arena.fits(slice(x, x + 1), beyond)), ids[0])
-            free = self._arena.spare_pages(layer)
-            raise CacheFullError(f"append to layer {layer}: needs {len(new)} new raw pages, {beyond} of them beyond "
-                                 f"the sequences' budgets, but only {free} can be taken without breaking promises "
-                                 f"({self._describe_free()})", requested=beyond, free=free, unit="pages")
+            if layers == slice(None):  # a decode step: every layer takes them
+                free, where, unit = self._room()[0], " in every layer", "pages per layer"
+            else:
+                free, where, unit = self._arena.spare_pages(layers.start), "", "pages"
+            raise CacheFullError(f"{self._what(layers, batch)} needs {len(new)} new raw pages{where}, {beyond} of "
+                                 f"them beyond the sequences' budgets, but only {free} can be taken{where} without "
+                                 f"breaking promises ({self._describe_free()})", requested=beyond, free=free, unit=unit)
         for s, j in need_ids:
             s.push(self._free_ids.pop())
             if j < s.budget:
@@ -606,8 +657,15 @@ class CompressedPagedKVCache:
         rows = self._store.rows(self._all_layers[layers, None], pids).ravel()
         return [rows, self._store.open_rows(slots), self._arena.take_dirty()]
 
+    @staticmethod
+    def _what(layers: slice, batch: Batch) -> str:
+        """What :meth:`_open_pages` opens pages for, in its errors."""
+        if layers == slice(None):
+            return f"prepare_step: a decode step of sequences {list(batch.key)}"
+        return f"append to layer {layers.start}:"
+
     def _seq(self, seq_id) -> _Seq:
-        if not isinstance(seq_id, (int, np.integer)):
+        if not _is_int(seq_id):
             raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
         try:
             return self._seqs[seq_id]
@@ -615,7 +673,7 @@ class CompressedPagedKVCache:
             raise ValueError(f"seq_id {seq_id!r} is not a running sequence of this cache") from None
 
     def _check_layer(self, layer) -> None:
-        if not isinstance(layer, (int, np.integer)):
+        if not _is_int(layer):
             raise TypeError(f"layer must be an int in [0, {self.num_layers}), got {type(layer).__name__} {layer!r}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")

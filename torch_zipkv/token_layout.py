@@ -10,7 +10,7 @@ A running sequence's pages only grow, so a batch's page table is updated in plac
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,19 +18,40 @@ import torch
 from .upload import Uploader
 
 MEMO = 8  # batches, layouts and page tables remembered (a step needs one of each; a few spare for interleaved batches)
+_INT = frozenset({int})  # the one type of the ids in a batch's key
 
 
-@dataclass(frozen=True)
+class StepGeneration:
+    """The decode steps a cache prepared since its sequences or pages last changed. The cache ends a generation
+    (``stale = True``) when it admits or frees a sequence (a freed page id goes to the next sequence that needs one),
+    compresses or compacts pages, and starts a new one: every step prepared before is refused from then on. A flag
+    that is False for every step that runs, not a serial the step compares: a compiled step guards on what it
+    reads, and this guard never changes, so the step never recompiles; checking it is a host read, no device sync."""
+
+    __slots__ = ("stale",)
+
+    def __init__(self):
+        self.stale = False
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeStep:
     """One decode step prepared for every layer by :meth:`CompressedPagedKVCache.prepare_step`: where each
     sequence's new token goes (``page_ids``, ``slots``: int32 [B]) and the FlashInfer page table after it
-    (``kv_indptr`` [B+1], ``kv_indices`` [nnz], ``kv_last_page_len`` [B]), all int32 on the cache's device."""
+    (``kv_indptr`` [B+1], ``kv_indices`` [nnz], ``kv_last_page_len`` [B]), all int32 on the cache's device.
+    ``stale`` once the cache admitted or freed a sequence, or compressed or compacted pages, since it was prepared
+    (:class:`StepGeneration`): the cache then refuses it."""
 
     page_ids: torch.Tensor
     slots: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
+    generation: StepGeneration = field(repr=False)
+
+    @property
+    def stale(self) -> bool:
+        return self.generation.stale
 
 
 @dataclass
@@ -89,9 +110,7 @@ class TokenLayouts:
 
     def batch(self, seq_ids) -> Batch:
         """The batch of ``seq_ids``: one id, or several distinct ones (a sequence of ints or a tensor)."""
-        if isinstance(seq_ids, torch.Tensor):
-            seq_ids = seq_ids.tolist()
-        key = (int(seq_ids),) if isinstance(seq_ids, (int, np.integer)) else tuple(seq_ids)
+        key = self._key(seq_ids)
         batch = self._batches.get(key)
         if batch is None:
             seqs = [self._seq(s) for s in key]
@@ -100,6 +119,24 @@ class TokenLayouts:
             batch = Batch(key, seqs, np.array([s.row for s in seqs], dtype=np.int64))
             _remember(self._batches, key, batch)
         return batch
+
+    def _key(self, seq_ids) -> tuple:
+        """``seq_ids`` as a tuple of Python ints, the key batches are remembered by. An id of another type is checked
+        (``seq``) first: True or 1.0 equal 1, so as a key they would find sequence 1's batch."""
+        if isinstance(seq_ids, torch.Tensor):
+            seq_ids = seq_ids.tolist()
+        if isinstance(seq_ids, (int, np.integer)):
+            seq_ids = (seq_ids,)
+        try:
+            key = tuple(seq_ids)
+        except TypeError:
+            raise TypeError(f"seq_ids must be an int or a sequence of ints, got {type(seq_ids).__name__} "
+                            f"{seq_ids!r}") from None
+        if not _INT.issuperset(map(type, key)):  # numpy ints, or a mistake
+            for s in key:
+                self._seq(s)
+            key = tuple(map(int, key))
+        return key
 
     def append(self, batch: Batch, start: np.ndarray, single: bool, n: int) -> AppendLayout:
         """Appending n tokens to ``batch`` (all to its one sequence if ``single``, else one each) from lengths
