@@ -130,11 +130,11 @@ class CompressedPagedKVCache:
     wrong type or dtype) or ValueError (a wrong shape, size or device; an unknown layer or sequence; a value out of
     range), naming the argument; a call the cache's state does not allow raises RuntimeError, and
     :class:`CacheFullError` (a RuntimeError) says what does not fit. :meth:`step_append` and :meth:`step_decode`
-    leave the checks to the ops.
+    check the layer and that the step is not stale (:meth:`prepare_step`), and leave the tensors' checks to the ops.
 
     Args:
         page_size: tokens per page (a multiple of 16).
-        chunk_bytes: arena chunk size, rounded down to whole raw pages (at least one).
+        chunk_bytes: arena chunk size (>= 1), rounded down to whole raw pages (at least one).
         max_pages: page ids per layer (meta rows). Default: enough for the whole arena compressed.
         device: default CUDA if available, else CPU.
         sliding_window: tokens a sliding-window layer attends to (the newest included, transformers' and

@@ -22,11 +22,10 @@ _INT = frozenset({int})  # the one type of the ids in a batch's key
 
 
 class StepGeneration:
-    """The decode steps a cache prepared since its sequences or pages last changed. The cache ends a generation
-    (``stale = True``) when it admits or frees a sequence (a freed page id goes to the next sequence that needs one),
-    compresses or compacts pages, and starts a new one: every step prepared before is refused from then on. A flag
-    that is False for every step that runs, not a serial the step compares: a compiled step guards on what it
-    reads, and this guard never changes, so the step never recompiles; checking it is a host read, no device sync."""
+    """The decode steps a cache prepared since its sequences or pages last changed. When they change, the cache
+    marks the generation ``stale`` and starts a new one, and refuses the steps of the old one. A flag that is False
+    for every step that runs, not a serial the step compares: a compiled step guards on what it reads, and this guard
+    never changes, so the step never recompiles; checking it is a host read, no device sync."""
 
     __slots__ = ("stale",)
 
