@@ -40,6 +40,16 @@ def check_contents(cache, kept: dict) -> None:
         assert cache.seq_len(layer, sid) == cache.kept_from(layer, sid) + k.shape[0]
 
 
+def snapshot(cache) -> tuple:
+    """Everything a refused call must leave as it was, comparable with ==: the arena's bytes, the meta rows, stats(),
+    capacity(), and every running sequence's lengths and gather() bits in every layer."""
+    seqs = [(s, layer, cache.seq_len(layer, s), cache.kept_from(layer, s),
+             *(bits(x).cpu().numpy().tobytes() for x in cache.gather(layer, s)))
+            for s in cache.seq_ids for layer in range(cache.num_layers)]
+    return (cache.data.cpu().numpy().tobytes(), cache._store.meta.cpu().numpy().tobytes(), cache.stats(),
+            cache.capacity(), cache.capacity(16, 16), seqs)
+
+
 def live_streams(cache, kept: dict) -> list[tuple[int, int, int, int]]:
     """(start, end, layer, page) of every stream of every live page, read from the device meta."""
     meta = cache._store.meta.cpu()

@@ -13,7 +13,8 @@ from torch_zipkv import format as fmt
 from torch_zipkv.arena import Arena
 from torch_zipkv.upload import Uploader
 
-from cache_oracle import check_accounting, check_contents, check_layout, decode_reference, live_streams, tokens
+from cache_oracle import (check_accounting, check_contents, check_layout, decode_reference, live_streams,
+                          snapshot, tokens)
 from conftest import bits, rel_err, requires_cuda
 
 H, D, P = 2, 64, 16
@@ -543,17 +544,7 @@ def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
                        r", 2 of them beyond the sequences' budgets, but only 1 can be taken in every layer") as e:
         cache.prepare_step([s, t])  # both need a second page in both layers, beyond any budget
     assert (e.value.requested, e.value.free, e.value.unit) == (2, 1, "pages per layer")
-    assert_unchanged(cache, before)
-
-
-def snapshot(cache) -> tuple:
-    """What a refused call must leave as it was: the bytes, the meta rows, stats() and capacity()."""
-    return cache.data.clone(), cache._store.meta.clone(), cache.stats(), cache.capacity(16, 16)
-
-
-def assert_unchanged(cache, before: tuple) -> None:
-    data, meta, *rest = snapshot(cache)
-    assert torch.equal(data, before[0]) and torch.equal(meta, before[1]) and rest == list(before[2:])
+    assert snapshot(cache) == before
 
 
 def test_a_stale_step_is_refused_and_writes_nothing():
@@ -574,7 +565,7 @@ def test_a_stale_step_is_refused_and_writes_nothing():
         cache.step_append(0, old, bad, bad)
     with pytest.raises(RuntimeError, match="step_decode: the DecodeStep is stale"):
         cache.step_decode(0, old, torch.ones(1, H, D, dtype=torch.bfloat16))
-    assert_unchanged(cache, before)
+    assert snapshot(cache) == before
     check_all(cache, {(b, 0): (k, k)})
     with pytest.raises(TypeError, match="step must be a DecodeStep from prepare_step, got NoneType"):
         cache.step_append(0, None, bad, bad)
@@ -643,7 +634,7 @@ def test_a_compiled_step_never_recompiles_for_the_stale_flag_and_still_refuses_a
     before = snapshot(cache)
     with pytest.raises(RuntimeError, match="step_append: the DecodeStep is stale"):
         compiled(k, k, q)
-    assert_unchanged(cache, before)
+    assert snapshot(cache) == before
 
 
 def test_a_step_or_an_append_never_names_a_sequence_twice():
@@ -656,14 +647,14 @@ def test_a_step_or_an_append_never_names_a_sequence_twice():
         cache.prepare_step([s, t, s])
     with pytest.raises(ValueError, match="seq_ids repeats a sequence"):
         cache.append(0, torch.tensor([t, t]), *tokens(0, 2, H, D))
-    assert_unchanged(cache, before)
+    assert snapshot(cache) == before
     cache.page_table(0, [t])  # remembered: [True] and [1.0] equal its key
     for bad, kind in (([True], "bool"), ([1.0], "float"), (True, "bool")):
         with pytest.raises(TypeError, match=f"seq_id must be an int, got {kind}"):
             cache.page_table(0, bad)
     with pytest.raises(TypeError, match="seq_ids must be an int or a sequence of ints, got float 1.5"):
         cache.prepare_step(1.5)
-    assert_unchanged(cache, before)
+    assert snapshot(cache) == before
     cache.append(0, [np.int64(s), np.int32(t)], *tokens(0, 2, H, D))
     cache.append(1, torch.tensor([s, t]), *tokens(1, 2, H, D))
     step = cache.prepare_step(np.array([t, s]))
@@ -703,7 +694,7 @@ def test_cache_full_errors_say_what_was_asked_in_one_unit_a_scheduler_can_compar
     with pytest.raises(CacheFullError, match=r"prepare_step: a decode step of sequences \[0\] needs 1 page ids") as e:
         cache.prepare_step([a])
     assert (e.value.requested, e.value.free, e.value.unit) == (1, 0, "page ids")
-    assert_unchanged(cache, before)
+    assert snapshot(cache) == before
 
 
 def stored_bytes(cache, kept) -> torch.Tensor:

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch_zipkv import CacheFullError, CompressedPagedKVCache
 from torch_zipkv import format as fmt
 
-from cache_oracle import check_accounting, check_contents, check_layout, decode_reference, tokens
+from cache_oracle import check_accounting, check_contents, check_layout, decode_reference, snapshot, tokens
 from conftest import bits, rel_err
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 64, 16
@@ -77,23 +77,14 @@ class CacheMachine(RuleBasedStateMachine):
                 event("a sliding window freed pages")
             self.kept[(sid, LAYERS - 1)] = (k[cut:], v[cut:])
 
-    def snapshot(self) -> tuple:
-        """Everything a refused call must leave as it was."""
-        c = self.cache
-        seqs = [(s, layer, c.seq_len(layer, s), c.kept_from(layer, s), *(bits(x).numpy().tobytes()
-                                                                           for x in c.gather(layer, s)))
-                for s in c.seq_ids for layer in range(LAYERS)]
-        return (c.data.numpy().tobytes(), c._store.meta.numpy().tobytes(), c.stats(), c.capacity(),
-                c.capacity(16, 16), seqs)
-
     def refused(self, call, error, match: str | None = None) -> BaseException:
         """``call()`` raises ``error`` (whose message matches ``match``) and changes nothing."""
-        before = self.snapshot()
+        before = snapshot(self.cache)
         try:
             call()
         except error as e:
             assert match is None or match in str(e), (match, str(e))
-            assert self.snapshot() == before, f"a refused call changed the cache: {e}"
+            assert snapshot(self.cache) == before, f"a refused call changed the cache: {e}"
             if isinstance(e, CacheFullError):
                 check_full(e)
             return e
@@ -111,13 +102,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(0, 40), new=st.integers(0, 24))
     def add(self, prompt, new):
         cap = self.cache.capacity(prompt, new)
-        before = self.snapshot() if cap.requests == 0 else None  # a refusal capacity() admitted fails anyway
+        before = snapshot(self.cache) if cap.requests == 0 else None  # a refusal capacity() admitted fails anyway
         try:
             sid = self.cache.add_sequence(prompt, new)
         except CacheFullError as e:
             assert cap.requests == 0, "capacity() admitted a request add_sequence refused"
             check_full(e)
-            assert self.snapshot() == before
+            assert snapshot(self.cache) == before
             event(f"add refused: {e.unit}")
             return
         assert cap.requests >= 1 or prompt + new == 0, "add_sequence admitted a request capacity() refused"
@@ -140,14 +131,14 @@ class CacheMachine(RuleBasedStateMachine):
             counts = [1] * len(sids)
         k, v = tokens(seed, sum(counts), HEADS, HEAD_DIM, kind)
         within = all(self.length(s, layer) + c <= self.budget[s] for s, c in zip(sids, counts))
-        before = None if within else self.snapshot()  # a refusal within the budgets fails anyway
+        before = None if within else snapshot(self.cache)  # a refusal within the budgets fails anyway
         try:
             self.cache.append(layer, sids[0] if prefill else sids, k, v)
         except CacheFullError as e:
             event(f"append refused: {e.unit}")
             check_full(e)
             assert not within, "an append within the sequences' budgets ran out of memory"
-            assert self.snapshot() == before, "a refused append changed the cache"
+            assert snapshot(self.cache) == before, "a refused append changed the cache"
             return
         at = 0
         for s, c in zip(sids, counts):
@@ -183,14 +174,14 @@ class CacheMachine(RuleBasedStateMachine):
         """One decode step of ``sids`` through prepare_step and step_append, recorded; None if it was refused (only
         past the budgets, changing nothing)."""
         within = all(self.length(s, 0) < self.budget[s] for s in sids)
-        before = None if within else self.snapshot()  # a refusal within the budgets fails anyway
+        before = None if within else snapshot(self.cache)  # a refusal within the budgets fails anyway
         try:
             step = self.cache.prepare_step(sids)
         except CacheFullError as e:
             event(f"step refused: {e.unit}")
             check_full(e)
             assert not within, "a step within the sequences' budgets ran out of memory"
-            assert self.snapshot() == before, "a refused step changed the cache"
+            assert snapshot(self.cache) == before, "a refused step changed the cache"
             return None
         self.steps = self.steps[1 - OLD_STEPS:] + [(step, self.changes, sids)]
         for layer in range(LAYERS):
