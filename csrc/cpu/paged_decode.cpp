@@ -42,8 +42,8 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
                       int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
                       int64_t window_left, double logits_soft_cap) {
-  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse, window_left,
-                    logits_soft_cap);
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
+                    window_left, logits_soft_cap);
   const int64_t batch = q.size(0), num_pages = meta.size(0), nnz = kv_indices.size(0);
   const int Hq = q.size(1), H = meta.size(2), D = q.size(2), P = page_size, group = Hq / H;
   const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
