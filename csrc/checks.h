@@ -134,14 +134,33 @@ inline void check_group(const char* op, int64_t num_qo_heads, int64_t num_kv_hea
                     "num_kv_heads) must be in [1, ", kMaxGroup, "], got ", group);
 }
 
+// sm_scale and logits_soft_cap are checked as the kernels use them, after narrowing to float32 (a double that passes
+// "> 0" can round to 0.0f, one that is finite to inf): the CPU kernel takes float(sm_scale) and float(cap); the CUDA
+// kernel works in base 2 with float(sm_scale) * log2(e), float(cap) * log2(e) and float(sm_scale / cap). Each of
+// those must be finite (and the scale and cap > 0), or the output turns NaN or the cap silently off. A negative or
+// zero sm_scale is refused too: a softmax scale is positive, and anything else is almost surely a mistake.
+constexpr float kLog2eF = 1.4426950408889634f;  // float32 log2(e), as the CUDA kernel's kLog2e
+
+inline void check_scale_and_cap(const char* op, double sm_scale, double logits_soft_cap) {
+  const float scale = static_cast<float>(sm_scale);
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.f && std::isfinite(scale * kLog2eF), "zipkv.", op,
+                    ": sm_scale must be > 0 and finite as a float32, and so must sm_scale * log2(e) (sm_scale at most ",
+                    "about 2.36e38), got ", sm_scale);
+  const float cap = static_cast<float>(logits_soft_cap);
+  TORCH_CHECK_VALUE(logits_soft_cap == 0.0 || (std::isfinite(cap) && cap > 0.f && std::isfinite(cap * kLog2eF) &&
+                                               std::isfinite(static_cast<float>(sm_scale / logits_soft_cap))),
+                    "zipkv.", op, ": logits_soft_cap must be 0 (off) or a finite cap > 0 as a float32, with cap * ",
+                    "log2(e) and sm_scale / cap finite as float32 too, got ", logits_soft_cap);
+}
+
 inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                              const at::Tensor& kv_last_page_len, int64_t page_size, const at::Tensor& out,
-                              const std::optional<at::Tensor>& lse, int64_t window_left, double logits_soft_cap) {
+                              const at::Tensor& kv_last_page_len, int64_t page_size, double sm_scale,
+                              const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
+                              double logits_soft_cap) {
   const char* op = "paged_decode";
   check_window_left(op, window_left);
-  TORCH_CHECK_VALUE(logits_soft_cap >= 0.0 && std::isfinite(logits_soft_cap), "zipkv.paged_decode: logits_soft_cap ",
-                    "must be 0 (off) or a finite cap > 0, got ", logits_soft_cap);
+  check_scale_and_cap(op, sm_scale, logits_soft_cap);
   const at::Device device = data.device();
   check_tensor(q, op, "q", at::kBFloat16, 3, device);
   check_geometry(op, page_size, q.size(2));

@@ -78,6 +78,23 @@ def with_zeros(kv: torch.Tensor, gen: torch.Generator, rate: float = 3e-3) -> to
     return kv
 
 
+def minus_inf_page_case(order):
+    """(kv, q, page table) of issue 19's reproducer: one request over pages ``order`` of two pages. Page 0's logits are
+    all -inf in float32 although every input is a finite bf16 (q.k = 1e20 * -1e20), page 1's are 1 (1e20 * 1e-20),
+    times sm_scale 1/8; V is 1.0 on page 0 and 2.0 on page 1, so the answer is 2.0 and lse = log(16) + 1/8."""
+    bf = torch.bfloat16
+    kv = torch.zeros(2, 2, 16, 1, 64, dtype=bf)
+    kv[0, 0, :, :, 0] = -1e20
+    kv[1, 0, :, :, 0] = 1e-20
+    kv[0, 1] = 1.0
+    kv[1, 1] = 2.0
+    q = torch.zeros(1, 1, 64, dtype=bf)
+    q[0, 0, 0] = 1e20
+    table = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor(order, dtype=torch.int32),
+             torch.tensor([16], dtype=torch.int32))
+    return kv, q, table
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bf16 bit patterns of t as int16, for bit-exact comparisons (NaN equals NaN of the same pattern)."""
     return t.contiguous().view(torch.int16)

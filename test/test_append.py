@@ -46,3 +46,26 @@ def test_append_into_compressed_page_is_refused_and_writes_nothing(gen):
     with pytest.raises(ValueError, match=r"page 1 \(page_ids\[1\]\) is compressed"):
         ops.append_kv(k, v, ids, torch.tensor([3, 3], dtype=torch.int32), 16, ckv.data, ckv.meta)
     assert torch.equal(ckv.data, before)
+
+
+def test_two_tokens_for_one_slot_are_refused_and_nothing_is_written(gen):
+    """Duplicate (page, slot) targets in one call would race (which token lands was unspecified): the CPU kernel
+    refuses them, naming both tokens, before writing anything. The same slot of another page, or another slot of the
+    same page, is fine. (The CUDA kernel cannot check without a sync: docs/api.md.)"""
+    kv = random_kv(3, 16, 2, 64, gen)
+    ckv = store(torch.zeros_like(kv), raw_pages=torch.ones(3, dtype=torch.bool))
+    before = ckv.data.clone()
+    k, v = kv[0, 0, :4], kv[0, 1, :4]
+    ids = torch.tensor([2, 0, 1, 0], dtype=torch.int32)
+    slots = torch.tensor([5, 5, 5, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"zipkv.append_kv: page_ids\[1\], slots\[1\] and page_ids\[3\], "
+                                         r"slots\[3\] both target page 0, slot 5; each \(page, slot\) may be "
+                                         r"written once per call"):
+        ops.append_kv(k, v, ids, slots, 16, ckv.data, ckv.meta)
+    assert torch.equal(ckv.data, before)
+    slots = torch.tensor([5, 5, 5, 6], dtype=torch.int32)
+    ops.append_kv(k, v, ids, slots, 16, ckv.data, ckv.meta)
+    out = torch_zipkv.decompress(ckv)
+    for i, (page, slot) in enumerate(zip(ids.tolist(), slots.tolist())):
+        assert torch.equal(out[page, 0, slot].view(torch.int16), k[i].view(torch.int16))
+        assert torch.equal(out[page, 1, slot].view(torch.int16), v[i].view(torch.int16))

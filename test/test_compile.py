@@ -139,8 +139,11 @@ def bad_calls(gen):
     decode = (q, data, meta, indptr, indices, last, 16, 0.125, out, lse, -1, 0.0)
     decode_bad = [
         (10, -2), (10, 2**31), (11, -1.0), (11, float("inf")),  # window_left, logits_soft_cap
+        (11, 1e-300), (11, 3e38), (11, 1e-40),  # 0 as a float32; cap * log2(e) or sm_scale / cap overflow float32
+        (7, float("nan")), (7, 1e300), (7, 3e38), (7, 0.0), (7, -0.125), (7, 1e-50),  # sm_scale
         (0, q.half()), (0, q[:, 0].contiguous()), (0, noncontiguous(q)), (0, odd(q)),
         (0, q[:, :3].contiguous()), (0, torch.zeros(2, 34, 64, dtype=torch.bfloat16)),  # GQA: 3 heads, group 17
+        (0, torch.zeros(2, 64, 64, dtype=torch.bfloat16)), (2, meta[:, :, :0].contiguous()),  # group 32; 0 kv heads
         (0, q[..., :32].contiguous()), (6, 24),  # head_dim, page_size
         (1, data.view(torch.int8)), (1, data[:-16].view(-1, 16)), (1, data[1:]),
         (2, meta.long()), (2, meta[..., :1].contiguous()),

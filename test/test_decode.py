@@ -9,7 +9,7 @@ import torch_zipkv
 from torch_zipkv import format as fmt
 from torch_zipkv import reference
 
-from conftest import page_table, random_kv, rel_err, spread_layers, store
+from conftest import minus_inf_page_case, page_table, random_kv, rel_err, spread_layers, store
 
 
 def run_case(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None, **kw):
@@ -134,3 +134,50 @@ def test_kv_indices_longer_than_the_table(gen):
     out = torch_zipkv.paged_decode(q, ckv, indptr, padded, last)
     assert torch.equal(out.view(torch.int16), exact.view(torch.int16))
 
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_page_of_only_minus_inf_logits_weighs_nothing(order):
+    """A running max of -inf is "nothing yet" (FlashAttention's rule): the -inf page, first or last, weighs 0 and the
+    answer is page 1's V, 2.0, with lse = log(16) + 1/8 (16 tokens of logit 1 * sm_scale). The float64 reference
+    (whose logits do not overflow) agrees."""
+    kv, q, table = minus_inf_page_case(order)
+    lse = torch.empty(1, 1)
+    out = torch_zipkv.paged_decode(q, torch_zipkv.compress(kv), *table, lse=lse)
+    assert (out[0, 0] == 2.0).all()
+    assert lse.item() == pytest.approx(math.log(16) + 1 / 8, abs=1e-3)  # 2.8976 (q.k is 1 to bf16 precision)
+    ref, ref_lse = reference.decode_attention(q, kv, *table, 1 / 8)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_every_logit_minus_inf_attends_to_nothing():
+    """A query head whose every logit is -inf gets what a request with no tokens gets: zeros and lse = -inf, from the
+    kernel and the reference alike (softmax alone would give NaN). Here K = -inf makes them -inf in float64 too.
+    A logit of +inf (the other head of the group) makes that head's out and lse NaN, as documented."""
+    bf = torch.bfloat16
+    kv = torch.ones(2, 2, 16, 1, 64, dtype=bf)
+    kv[:, 0, :, :, 0] = float("-inf")
+    q = torch.ones(1, 2, 64, dtype=bf)  # head 0: q.k = 1 * -inf + 63 = -inf for every token
+    q[0, 1, 0] = -1.0  # head 1: -1 * -inf + 63 = +inf
+    table = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
+             torch.tensor([9], dtype=torch.int32))
+    lse = torch.empty(1, 2)
+    out = torch_zipkv.paged_decode(q, torch_zipkv.compress(kv), *table, lse=lse)
+    ref, ref_lse = reference.decode_attention(q, kv, *table, 1 / 8)
+    assert torch.equal(out[0, 0], torch.zeros(64, dtype=bf)) and lse[0, 0].item() == float("-inf")
+    assert torch.equal(ref[0, 0], torch.zeros(64, dtype=torch.float64)) and ref_lse[0, 0].item() == float("-inf")
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan()  # a +inf logit: NaN out and lse (CPU and CUDA alike)
+
+
+def test_v_near_the_bf16_maximum_does_not_overflow():
+    """The CPU kernel accumulates the weighted V in float64: two tokens of V = 3e38 (3.004e38 in bf16) average to
+    3.004e38, not inf (float32's sum of the two would overflow)."""
+    bf = torch.bfloat16
+    kv = torch.zeros(1, 2, 16, 1, 64, dtype=bf)
+    kv[0, 1, :2] = 3e38
+    kv[0, 1, :2, :, 1] = -3e38
+    table = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+             torch.tensor([2], dtype=torch.int32))
+    out = torch_zipkv.paged_decode(torch.zeros(1, 1, 64, dtype=bf), torch_zipkv.compress(kv), *table)
+    assert torch.equal(out[0, 0], kv[0, 1, 0, 0])

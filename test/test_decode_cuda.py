@@ -10,8 +10,8 @@ import torch
 import torch_zipkv
 from torch_zipkv import format as fmt, reference
 
-from conftest import (capture_graph, compressible_kv, page_table, random_kv, rel_err, requires_cuda, spread_layers,
-                      store, with_zeros)
+from conftest import (capture_graph, compressible_kv, minus_inf_page_case, page_table, random_kv, rel_err,
+                      requires_cuda, spread_layers, store, with_zeros)
 
 pytestmark = requires_cuda
 
@@ -329,3 +329,82 @@ def test_opcheck_paged_decode_cuda(gen):
     q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16).cuda()
     args = (q, ckv.data, ckv.meta, indptr, indices, last, 16, 0.125, torch.empty_like(q), torch.empty(2, 4, device="cuda"))
     torch.library.opcheck(torch.ops.zipkv.paged_decode.default, args)
+
+
+def decode_cuda(q, kv, table, sm_scale=None):
+    """paged_decode of q over kv (compressed on the GPU) with page table `table` (CPU tensors); returns CPU out, lse."""
+    lse = torch.empty(q.shape[0], q.shape[1], device="cuda")
+    out = torch_zipkv.paged_decode(q.cuda(), torch_zipkv.compress(kv.cuda()), *(t.cuda() for t in table),
+                                   sm_scale=sm_scale, lse=lse)
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_page_of_only_minus_inf_logits_weighs_nothing(order):
+    """Issue 19's reproducer (test_decode.py has the CPU side): page 0's logits overflow float32 to -inf, page 1's
+    are 1; in either order the answer is page 1's V, 2.0, and lse = log(16) + 1/8."""
+    kv, q, table = minus_inf_page_case(order)
+    out, lse = decode_cuda(q, kv, table)
+    assert (out[0, 0] == 2.0).all()
+    assert lse.item() == pytest.approx(math.log(16) + 1 / 8, abs=1e-3)
+
+
+def test_splits_of_only_minus_inf_logits_weigh_nothing(gen):
+    """A long request, split across CTAs: its first 4000 tokens (the first splits and warps, wholly) have logits
+    that overflow float32 to -inf (q.k = 1e20 * -1e20), the rest finite ones. The merge of the splits, and of the
+    warps inside the mixed split, must weigh the -inf parts 0: the float64 reference (no overflow) agrees."""
+    P, D, n = 16, 128, 563  # 9000 tokens
+    kv = random_kv(n, P, 1, D, gen)
+    kv[:, 0, :, :, 0] = 0.0
+    kv[:250, 0, :, :, 0] = -1e20
+    q = torch.randn(1, 4, D, generator=gen).to(torch.bfloat16)
+    q[:, :, 0] = 1e20
+    table = (torch.tensor([0, n], dtype=torch.int32), torch.arange(n, dtype=torch.int32),  # pages in token order
+             torch.tensor([P - 8], dtype=torch.int32))
+    assert plan_of(1, 4, 1, D, n)["num_splits"] > 4
+    out, lse = decode_cuda(q, kv, table)
+    ref, ref_lse = reference.decode_attention(q, kv, *table, D ** -0.5)
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("seq", [40, 9000])  # one CTA; split with a merge kernel
+def test_every_logit_minus_inf_attends_to_nothing(seq):
+    """A query head whose every logit is -inf (here K = -inf, so in float64 too) gets zeros and lse = -inf, like an
+    empty request, as on CPU and in the reference; a head whose logits are +inf gets NaN (documented)."""
+    P, D = 16, 64
+    n = (seq + P - 1) // P
+    kv = torch.ones(n, 2, P, 1, D, dtype=torch.bfloat16)
+    kv[:, 0, :, :, 0] = float("-inf")
+    q = torch.ones(1, 2, D, dtype=torch.bfloat16)  # head 0: q.k = -inf
+    q[0, 1, 0] = -1.0  # head 1: q.k = +inf
+    table = (torch.tensor([0, n], dtype=torch.int32), torch.arange(n, dtype=torch.int32),
+             torch.tensor([(seq - 1) % P + 1], dtype=torch.int32))
+    out, lse = decode_cuda(q, kv, table)
+    ref, ref_lse = reference.decode_attention(q, kv, *table, 1 / 8)
+    assert torch.equal(out[0, 0], torch.zeros(D, dtype=torch.bfloat16)) and lse[0, 0].item() == float("-inf")
+    assert torch.equal(ref[0, 0], torch.zeros(D, dtype=torch.float64)) and ref_lse[0, 0].item() == float("-inf")
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan()
+
+
+def test_v_overflow_limit_is_as_documented(gen):
+    """docs/api.md: the CUDA kernel accumulates weight x V in float32 with softmax weights up to 2^8, so nothing
+    overflows while 2^8 x tokens x max|V| < 3.4e38; past that a result may be inf (two tokens of V = 3e38 give inf,
+    where the CPU kernel, accumulating in float64, gives 3.004e38)."""
+    P, D, seq = 16, 128, 300
+    n = (seq + P - 1) // P
+    bound = torch.finfo(torch.float32).max / (2**8 * seq)
+    kv = random_kv(n, P, 2, D, gen, scale=2.0)
+    kv[:, 1] = (torch.rand(n, P, 2, D, generator=gen) * 2 - 1) * bound
+    indptr, indices, last = page_table([seq], P, n, gen)
+    q = torch.randn(1, 8, D, generator=gen).to(torch.bfloat16)
+    out, _ = decode_cuda(q, kv, (indptr, indices, last))
+    ref, _ = reference.decode_attention(q, kv, indptr, indices, last, D ** -0.5)
+    assert out.isfinite().all() and rel_err(out, ref) < 1e-2
+
+    kv = torch.zeros(1, 2, P, 1, D, dtype=torch.bfloat16)
+    kv[0, 1, :2] = 3e38
+    table = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+             torch.tensor([2], dtype=torch.int32))
+    out, _ = decode_cuda(torch.zeros(1, 1, D, dtype=torch.bfloat16), kv, table)
+    assert out.isinf().all()  # the documented limit; the CPU kernel gives kv[0, 1, 0] (test_decode.py)

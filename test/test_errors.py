@@ -166,6 +166,103 @@ def test_decode_rejects_bad_options(setup):
             decode(q, ckv, indptr, indices, last, logits_soft_cap=cap)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 1e300, 3e38, 0.0, -0.125, 1e-50])
+def test_decode_checks_sm_scale_as_the_float32_the_kernels_use(setup, scale):
+    """sm_scale must be > 0 and finite after narrowing to float32 (1e-50 becomes 0.0f, 1e300 inf), and times log2(e)
+    (the CUDA kernel's base-2 softmax: 3e38 fits float32, 3e38 * 1.44 does not). A negative or zero scale is
+    refused too. Before these checks nan and 1e300 gave an all-NaN output with lse = -inf."""
+    kv, ckv, q, indptr, indices, last = setup
+    with pytest.raises(ValueError, match=r"zipkv.paged_decode: sm_scale must be > 0 and finite as a float32, .* got "
+                                         + re.escape(f"{scale:g}")):
+        decode(q, ckv, indptr, indices, last, sm_scale=scale)
+    with pytest.raises(ValueError, match="sm_scale must be > 0"):  # the fake kernel makes the same check
+        ops.paged_decode(*(t.to("meta") for t in (q, ckv.data, ckv.meta, indptr, indices, last)), 16, sm_scale=scale)
+
+
+@pytest.mark.parametrize("scale, cap", [(0.125, 1e-300), (0.125, 1e-40), (0.125, 3e38), (1e10, 1e-30)])
+def test_decode_checks_logits_soft_cap_as_the_float32_the_kernels_use(setup, scale, cap):
+    """A cap that passes "> 0" as a double but is 0.0f as a float32 (1e-300) used to turn the cap silently off; one
+    whose cap * log2(e) or sm_scale / cap overflows float32 (the CUDA kernel uses both) is refused too."""
+    kv, ckv, q, indptr, indices, last = setup
+    with pytest.raises(ValueError, match=r"zipkv.paged_decode: logits_soft_cap must be 0 \(off\) or a finite cap > 0 "
+                                         r"as a float32, .* got " + re.escape(f"{cap:g}")):
+        decode(q, ckv, indptr, indices, last, sm_scale=scale, logits_soft_cap=cap)
+    with pytest.raises(ValueError, match="logits_soft_cap must be 0"):
+        ops.paged_decode(*(t.to("meta") for t in (q, ckv.data, ckv.meta, indptr, indices, last)), 16,
+                         sm_scale=scale, logits_soft_cap=cap)
+
+
+def test_decode_takes_extreme_but_valid_scale_and_cap(setup):
+    """The smallest positive float32 scale and a tiny cap that keeps sm_scale / cap finite are taken, and the cap
+    still caps: every logit becomes +-cap, so lse <= log(tokens) + cap."""
+    kv, ckv, q, indptr, indices, last = setup
+    lse = torch.empty(2, 4)
+    out = decode(q, ckv, indptr, indices, last, sm_scale=1.5e-45, lse=lse)
+    assert out.isfinite().all()
+    out = decode(q, ckv, indptr, indices, last, sm_scale=0.125, logits_soft_cap=1e-30, lse=lse)
+    assert out.isfinite().all() and (lse <= torch.tensor([20.0, 30.0]).log()[:, None] + 1e-6).all()
+
+
+def test_decode_refuses_a_q_without_dims_and_ints_past_int64(setup):
+    """A 0-dim q is a ValueError naming q (it was an IndexError of the wrapper); an int past int64 a ValueError naming
+    the argument (torch.ops said "expected int, found int"); a bool is not an int."""
+    kv, ckv, q, indptr, indices, last = setup
+    for q0 in (torch.tensor(1.0, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"zipkv.paged_decode: q must have 3 dims, got shape \[(4)?\]"):
+            decode(q0, ckv, indptr, indices, last)
+        with pytest.raises(ValueError, match=r"zipkv.paged_decode: q must have 3 dims"):
+            ops.paged_decode(q0, ckv.data, ckv.meta, indptr, indices, last, 16)
+    with pytest.raises(ValueError, match=f"zipkv.paged_decode: window_left must fit in an int64, got {2**70}"):
+        decode(q, ckv, indptr, indices, last, window_left=2**70)
+    with pytest.raises(ValueError, match="zipkv.paged_decode: page_size must fit in an int64"):
+        ops.paged_decode(q, ckv.data, ckv.meta, indptr, indices, last, -2**63 - 1)
+    with pytest.raises(ValueError, match="zipkv.paged_decode: sm_scale must fit in a float64"):
+        decode(q, ckv, indptr, indices, last, sm_scale=10**400)
+    with pytest.raises(TypeError, match="zipkv.paged_decode: window_left must be an int, got bool"):
+        decode(q, ckv, indptr, indices, last, window_left=True)
+    with pytest.raises(ValueError, match="zipkv.decompress_pages: head_dim must fit in an int64"):
+        ops.decompress_pages(ckv.data, ckv.meta, indices, 16, 2**64)
+    with pytest.raises(ValueError, match="zipkv.decode_plan: nnz_pages must fit in an int64"):
+        ops.decode_plan(q, ckv.meta, 2**63, 16)
+    with pytest.raises(ValueError, match=r"decode_plan: kv_indices must have 1 dims, got shape \[\]"):
+        torch_zipkv.decode_plan(q, ckv, indices[0])
+    with pytest.raises(ValueError, match="empty_storage: num_kv_heads must fit in an int64"):
+        empty_storage(4, 16, 2**70, 64)
+    with pytest.raises(ValueError, match=r"empty_storage: capacity \(num_pages x raw page bytes\) must fit in an "
+                                         "int64"):
+        empty_storage(2**60, 16, 2, 64)
+
+
+def test_decompress_pages_wrapper_checks_what_it_allocates_from(setup):
+    """decompress_pages allocates out from page_ids' length and the geometry given: a 0-dim page_ids, a bad page_size
+    or an out of another geometry than page_size and head_dim say is a ValueError naming the argument."""
+    kv, ckv = setup[:2]
+    ids = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"zipkv.decompress_pages: page_ids must have 1 dims, got shape \[\]"):
+        ops.decompress_pages(ckv.data, ckv.meta, ids[0], 16, 64)
+    with pytest.raises(ValueError, match="zipkv.decompress_pages: page_size must be a multiple of 16"):
+        ops.decompress_pages(ckv.data, ckv.meta, ids, -16, 64)
+    with pytest.raises(ValueError, match=r"zipkv.decompress_pages: out must be \[n, 2, 32, num_kv_heads, 64\]"):
+        ops.decompress_pages(ckv.data, ckv.meta, ids, 32, 64, out=torch.empty_like(kv))
+    assert torch.equal(ops.decompress_pages(ckv.data, ckv.meta, ids, 16, 64, out=torch.empty_like(kv)), kv)
+
+
+@pytest.mark.parametrize("num_kv_heads, num_qo_heads", [(0, 4), (0, 0), (1, 17), (1, 32), (2, 64)])
+def test_fake_kernel_refuses_bad_groups_without_dividing_by_zero(setup, num_kv_heads, num_qo_heads):
+    """meta with 0 kv heads, or GQA groups over 16, are refused by the CPU kernel and, while tracing, by the fake
+    kernel: the same ValueError naming q, never a ZeroDivisionError."""
+    data = setup[1].data
+    meta = torch.full((4, 2, num_kv_heads, 2), -1, dtype=torch.int32)
+    q = torch.zeros(1, num_qo_heads, 64, dtype=torch.bfloat16)
+    table = torch.tensor([0, 0], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    args = (q, data, meta, *table)
+    with pytest.raises(ValueError, match="zipkv.paged_decode: q") as real:
+        ops.paged_decode(*args, 16)
+    with pytest.raises(ValueError) as fake:
+        ops.paged_decode(*(t.to("meta") for t in args), 16)
+    assert str(fake.value) == str(real.value).splitlines()[0]
+
+
 def test_wrappers_reject_wrong_python_types(setup):
     """torch.ops itself raises RuntimeError for an argument of the wrong Python type; the wrappers name it in a
     TypeError first."""

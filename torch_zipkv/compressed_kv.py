@@ -102,7 +102,11 @@ class CompressedKV:
 
     def validate(self) -> None:
         """Raises ValueError naming the first meta row that is missing, has an invalid descriptor, or points past
-        ``data``. Reads the metadata on the host (a device sync on CUDA)."""
+        ``data``. Reads the metadata on the host (a device sync on CUDA).
+
+        These structural checks are all there is (docs/api.md, Errors): a changed byte of ``data``, or a change of
+        ``meta`` that keeps every row well formed (another offset inside ``data``, another valid descriptor), passes
+        and decodes to other values. The format carries no checksum."""
         nb = fmt.blocks_per_stream(self.page_size, self.head_dim)
         meta = self.meta.cpu()
         desc = self.descriptors().cpu().to(torch.int64)
@@ -192,4 +196,6 @@ def decode_plan(q: torch.Tensor, ckv: CompressedKV, kv_indices: torch.Tensor, *,
     _require_ckv("decode_plan", ckv)
     if not isinstance(kv_indices, torch.Tensor):
         raise TypeError(f"decode_plan: kv_indices must be a torch.Tensor, got {type(kv_indices).__name__}")
+    if kv_indices.dim() != 1:
+        raise ValueError(f"decode_plan: kv_indices must have 1 dims, got shape {list(kv_indices.shape)}")
     return ops.decode_plan(q, ckv.meta, kv_indices.shape[0], ckv.page_size, window_left=window_left)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 
@@ -54,10 +55,16 @@ def empty_storage(
     if num_pages < 0 or num_kv_heads < 1:
         raise ValueError(f"empty_storage: num_pages must be >= 0 and num_kv_heads >= 1, got {num_pages} and "
                          f"{num_kv_heads}")
+    given = capacity is not None
     if capacity is None:
         capacity = num_pages * fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)
     elif capacity < 0:
         raise ValueError(f"empty_storage: capacity must be >= 0, got {capacity}")
+    # Sizes a tensor cannot have (torch would say "Overflow when unpacking long long" in a TypeError).
+    for name, value in (("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
+                        ("capacity" if given else "capacity (num_pages x raw page bytes)", capacity)):
+        if value >= 2**63:
+            raise ValueError(f"empty_storage: {name} must fit in an int64, got {value}")
     data = torch.zeros(capacity, dtype=torch.uint8, device=device)
     meta = torch.full((num_pages, 2, num_kv_heads, fmt.meta_words(page_size, head_dim)), fmt.NO_STREAM,
                       dtype=torch.int32, device=data.device)
@@ -78,11 +85,20 @@ _KINDS = {
 
 
 def _check_types(op: str, **args: tuple) -> None:
-    """Raises TypeError naming the first argument (name=(value, kind)) whose Python type is not its kind's."""
+    """Raises TypeError naming the first argument (name=(value, kind)) whose Python type is not its kind's (a bool is
+    not an int here), and ValueError for a number that the op's schema cannot take: an int outside int64 (torch.ops
+    would raise "expected int, found int") or a float that overflows float64."""
     for name, (value, kind) in args.items():
         types, what = _KINDS[kind]
-        if not isinstance(value, types):
+        if not isinstance(value, types) or (kind == "int" and isinstance(value, bool)):
             raise TypeError(f"zipkv.{op}: {name} must be {what}, got {type(value).__name__}")
+        if kind == "int" and isinstance(value, numbers.Integral) and not -2**63 <= value < 2**63:
+            raise ValueError(f"zipkv.{op}: {name} must fit in an int64, got {value}")
+        if kind.startswith("float") and isinstance(value, numbers.Integral):
+            try:
+                float(value)
+            except OverflowError:
+                raise ValueError(f"zipkv.{op}: {name} must fit in a float64, got {value}") from None
 
 
 def compress_pages(
@@ -115,14 +131,21 @@ def decompress_pages(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rebuild pages ``page_ids`` bit-exactly as bf16 [n, 2, page_size, H, head_dim] (into ``out`` if given)."""
-    _check_types("decompress_pages", data=(data, "tensor"), meta=(meta, "tensor"), page_ids=(page_ids, "tensor"),
+    op = "decompress_pages"
+    _check_types(op, data=(data, "tensor"), meta=(meta, "tensor"), page_ids=(page_ids, "tensor"),
                  page_size=(page_size, "int"), head_dim=(head_dim, "int"), out=(out, "tensor?"))
+    _check_geometry(op, page_size, head_dim)
     if out is None:
-        if meta.dim() != 4:
-            raise ValueError(f"zipkv.decompress_pages: meta must have 4 dims, got shape {list(meta.shape)}")
+        # What the allocation reads: meta's kv heads and page_ids' length (the op checks the rest).
+        _check_value(meta.dim() == 4, op, "meta", lambda: f"must have 4 dims, got shape {list(meta.shape)}")
+        _check_tensor(page_ids, op, "page_ids", torch.int32, 1, data.device)
         out = torch.empty(
             (page_ids.shape[0], 2, page_size, meta.shape[2], head_dim), dtype=torch.bfloat16, device=data.device
         )
+    else:  # the op reads the geometry off out: it must be the one asked for
+        _check_value(out.dim() == 5 and out.shape[2] == page_size and out.shape[4] == head_dim, op, "out",
+                     lambda: f"must be [n, 2, {page_size}, num_kv_heads, {head_dim}] for page_size {page_size} and "
+                             f"head_dim {head_dim}, got {list(out.shape)}")
     zipkv.decompress_pages(data, meta, page_ids, out)
     return out
 
@@ -173,8 +196,8 @@ def paged_decode(
                  kv_last_page_len=(kv_last_page_len, "tensor"), page_size=(page_size, "int"),
                  sm_scale=(sm_scale, "float?"), out=(out, "tensor?"), lse=(lse, "tensor?"),
                  window_left=(window_left, "int"), logits_soft_cap=(logits_soft_cap, "float"))
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    if sm_scale is None:  # (for a q of the wrong shape, any scale: the op names q)
+        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0
     if out is None:
         out = torch.empty_like(q)
     zipkv.paged_decode(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
@@ -248,6 +271,31 @@ def _check_pages(op: str, name: str, kv, device) -> None:
     _check_geometry(op, kv.shape[2], kv.shape[4])
 
 
+def _float32(x: float) -> float:
+    """x rounded to float32, as C++'s static_cast<float> rounds it: +-inf past the float32 range, NaN stays NaN."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # struct refuses what rounds to inf
+        return math.copysign(math.inf, x)
+
+
+_LOG2E_F32 = _float32(1.4426950408889634)  # csrc/checks.h kLog2eF
+
+
+def _check_scale_and_cap(op: str, sm_scale: float, logits_soft_cap: float) -> None:
+    # As csrc/checks.h check_scale_and_cap: the values the kernels use, in float32 (a product of two float32 values is
+    # exact in float64, so rounding it once gives float32's product).
+    scale = _float32(sm_scale)
+    _check_value(math.isfinite(scale) and scale > 0 and math.isfinite(_float32(scale * _LOG2E_F32)), op, "sm_scale",
+                 lambda: f"must be > 0 and finite as a float32, and so must sm_scale * log2(e) (sm_scale at most about "
+                         f"2.36e38), got {sm_scale:g}")
+    cap = _float32(logits_soft_cap)
+    _check_value(logits_soft_cap == 0 or (math.isfinite(cap) and cap > 0 and math.isfinite(_float32(cap * _LOG2E_F32))
+                                          and math.isfinite(_float32(sm_scale / logits_soft_cap))),
+                 op, "logits_soft_cap", lambda: f"must be 0 (off) or a finite cap > 0 as a float32, with cap * log2(e) "
+                 f"and sm_scale / cap finite as float32 too, got {logits_soft_cap:g}")
+
+
 def _check_window_left(op: str, window_left: int) -> None:
     _check_value(-1 <= window_left < 2**31, op, "window_left",
                  lambda: f"must be -1 (no window) or a token count in [0, 2^31), got {window_left}")
@@ -298,8 +346,7 @@ def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, p
                        window_left=-1, logits_soft_cap=0.0):
     op = "paged_decode"
     _check_window_left(op, window_left)
-    _check_value(logits_soft_cap >= 0 and math.isfinite(logits_soft_cap), op, "logits_soft_cap",
-                 lambda: f"must be 0 (off) or a finite cap > 0, got {logits_soft_cap:g}")
+    _check_scale_and_cap(op, sm_scale, logits_soft_cap)
     _check_tensor(q, op, "q", torch.bfloat16, 3, data.device)
     _check_geometry(op, page_size, q.shape[2])
     num_kv_heads = meta.shape[2] if meta.dim() == 4 else -1

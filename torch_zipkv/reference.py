@@ -86,7 +86,8 @@ def decode_attention(
     """Dense float64 decode attention over natural pages kv (bf16 [pages, 2, P, H, D]); returns (out, lse) with
     out float64 [batch, Hq, D] (zeros for a request with no pages) and lse float64 [batch, Hq] (-inf there).
     ``window_left`` >= 0 keeps each request's last window_left + 1 tokens; ``logits_soft_cap`` > 0 caps the
-    logits with cap * tanh(logit / cap)."""
+    logits with cap * tanh(logit / cap). A query head whose every logit is -inf attends to nothing, like a request
+    with no pages: zeros and lse -inf (softmax alone would give 0 / 0 = NaN), as the kernels do."""
     batch, hq, dim = q.shape
     heads = kv.shape[3]
     out = torch.zeros(batch, hq, dim, dtype=torch.float64)
@@ -104,5 +105,6 @@ def decode_attention(
         if logits_soft_cap > 0:
             logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
         lse[b] = torch.logsumexp(logits, -1)
-        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), v)
+        probs = torch.where(lse[b].isneginf()[:, None], 0.0, torch.softmax(logits, -1))
+        out[b] = torch.einsum("hl,lhd->hd", probs, v)
     return out, lse

@@ -2,6 +2,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "../checks.h"
 #include "stream.h"
 
@@ -29,6 +33,16 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
           TORCH_CHECK_VALUE(desc[b] == kDescRaw, "zipkv.append_kv: page ", ids[i], " (page_ids[", i,
                             "]) is compressed; tokens can only be appended to open (raw) pages");
       }
+  }
+  // Two tokens for one (page, slot) would race in the parallel writes below (and on CUDA): refuse them, naming both.
+  std::vector<std::pair<int64_t, int64_t>> targets(n);  // (page * P + slot, i), sorted: duplicates are neighbours
+  for (int64_t i = 0; i < n; ++i) targets[i] = {int64_t{ids[i]} * P + slot[i], i};
+  std::sort(targets.begin(), targets.end());
+  for (int64_t j = 1; j < n; ++j) {
+    const int64_t a = targets[j - 1].second, b = targets[j].second;
+    TORCH_CHECK_VALUE(targets[j].first != targets[j - 1].first, "zipkv.append_kv: page_ids[", a, "], slots[", a,
+                      "] and page_ids[", b, "], slots[", b, "] both target page ", ids[b], ", slot ", slot[b],
+                      "; each (page, slot) may be written once per call");
   }
   const uint16_t* src[2] = {reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
                             reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>())};

@@ -1,6 +1,9 @@
 // CUDA kernel of zipkv::append_kv: one thread per (token, K|V, head, dim) writes two bytes into its raw block.
 // A token whose page id, slot or meta row is invalid, or whose block is compressed, is not written (the CPU kernel
-// raises for the same input); the kernel never touches memory outside data.
+// raises for the same input); the kernel never touches memory outside data. Two tokens with one (page, slot) race:
+// each 2-byte value of the slot ends up holding one of them, unspecified which (so the slot may mix both tokens). The
+// CPU kernel refuses them; here a check (or a rule such as "the last wins") would cost every thread a scan of all the
+// call's tokens, or a host sync, so avoiding them is the caller's job (the cache never makes them).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -137,8 +137,8 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
                        const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
                        int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
                        int64_t window_left, double logits_soft_cap) {
-  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, out, lse, window_left,
-                    logits_soft_cap);
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
+                    window_left, logits_soft_cap);
   const int64_t batch = q.size(0);
   if (batch == 0 || q.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());

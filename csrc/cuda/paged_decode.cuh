@@ -716,8 +716,9 @@ __global__ void __launch_bounds__(32 * kMergeRows) merge_splits_kernel(const Par
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
   float w[2], l = 0.f;
+  // A split with lse -inf (empty, or every logit -inf: docs/api.md, Numerics) weighs 0; its partial O never counts.
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {  // an empty split (lse -inf) weighs 0: its partial O was never written
+  for (int j = 0; j < 2; ++j) {
     w[j] = nan || x[j] == -INFINITY ? 0.f : exp2f(x[j] - m);
     l += w[j];
   }
