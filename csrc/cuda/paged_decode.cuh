@@ -663,8 +663,14 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   for (int x = threadIdx.x; x < p.group * D; x += C::kThreads) {
     const int row = x / D, dim = x % D;
     float m = -INFINITY;
+    // A warp that refused a block has l = NaN, but its max can still be -inf (fmaxf drops the NaN logits of garbage
+    // bytes), and then the weighted sum below never reads its l: test it apart, or the request reads as empty (0).
+    bool poisoned = false;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, ml[(w * 16 + row) * 2]);
+    for (int w = 0; w < kWarps; ++w) {
+      m = fmaxf(m, ml[(w * 16 + row) * 2]);
+      poisoned |= ml[(w * 16 + row) * 2 + 1] != ml[(w * 16 + row) * 2 + 1];
+    }
     float l = 0.f, acc = 0.f;
     if (m != -INFINITY) {
 #pragma unroll
@@ -674,9 +680,8 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
         acc += ow[(w * 16 + row) * D + dim] * f;
       }
     }
-    // l > 0 or NaN from here on: a NaN anywhere (refused block) propagates to the output.
-    const float val = bad_request ? nan : l == 0.f ? 0.f : acc / l;
-    const float lse2 = bad_request ? nan : l == 0.f ? -INFINITY : m + log2f(l);
+    const float val = bad_request || poisoned ? nan : l == 0.f ? 0.f : acc / l;
+    const float lse2 = bad_request || poisoned ? nan : l == 0.f ? -INFINITY : m + log2f(l);
     const int64_t qrow = qrow0 + row;
     if (p.num_splits == 1) {
       const __nv_bfloat16 v = __float2bfloat16_rn(val);
