@@ -18,6 +18,8 @@ def small_config(arch: str, **overrides):
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
     common.update(overrides)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
     if arch == "qwen3":  # q/k norm
         return transformers.Qwen3Config(**common)
     if arch == "qwen2":

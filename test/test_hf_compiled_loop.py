@@ -54,14 +54,9 @@ def compiled_step(holder: str, model, cache, mode):
 
 
 def model_for(arch: str, device: str):
-    if arch == "gemma3":  # sliding and full layers; a 16-token window that the loop runs far past
-        model = small_model("gemma3", sliding_window=16, max_position_embeddings=2048)
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048))
-        model = model.to(torch.bfloat16).eval()
-    return torch_zipkv.enable(model.to(device))
+    # Gemma 3: sliding and full layers, with a 16-token window that the loop runs far past.
+    window = {"sliding_window": 16} if arch == "gemma3" else {}
+    return torch_zipkv.enable(small_model(arch, max_position_embeddings=2048, **window).to(device))
 
 
 @torch.no_grad()

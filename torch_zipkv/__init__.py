@@ -25,7 +25,8 @@ from .compressed_kv import CompressedKV, compress, decode_plan, decompress, page
 from .format import FORMAT_VERSION
 
 __all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "decode_plan", "empty_storage", "ops",
-           "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache", "enable", "generate"]
+           "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache",
+           "enable", "generate"]
 
 _TRANSFORMERS_NAMES = ("ZipKVCache", "enable", "generate")
 

@@ -47,24 +47,19 @@ def empty_storage(
     All three on ``device`` (torch's default device when None), filled on the device without waiting for it (so it
     may be called between steps of a CUDA program; not inside a CUDA Graph capture, which cannot allocate).
     """
-    for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("capacity", capacity)):
-        if not isinstance(value, numbers.Integral) and not (name == "capacity" and value is None):
-            raise TypeError(f"empty_storage: {name} must be an int, got {type(value).__name__}")
+    _check_types("empty_storage", num_pages=(num_pages, "int"), page_size=(page_size, "int"),
+                 num_kv_heads=(num_kv_heads, "int"), head_dim=(head_dim, "int"), capacity=(capacity, "int?"))
     fmt.check_geometry(page_size, head_dim)
     if num_pages < 0 or num_kv_heads < 1:
         raise ValueError(f"empty_storage: num_pages must be >= 0 and num_kv_heads >= 1, got {num_pages} and "
                          f"{num_kv_heads}")
-    given = capacity is not None
     if capacity is None:
         capacity = num_pages * fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)
+        if capacity >= 2**63:  # a size a tensor cannot have (torch would say "Overflow when unpacking long long")
+            raise ValueError(f"empty_storage: capacity (num_pages x raw page bytes) must fit in an int64, got "
+                             f"{capacity}")
     elif capacity < 0:
         raise ValueError(f"empty_storage: capacity must be >= 0, got {capacity}")
-    # Sizes a tensor cannot have (torch would say "Overflow when unpacking long long" in a TypeError).
-    for name, value in (("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
-                        ("capacity" if given else "capacity (num_pages x raw page bytes)", capacity)):
-        if value >= 2**63:
-            raise ValueError(f"empty_storage: {name} must fit in an int64, got {value}")
     data = torch.zeros(capacity, dtype=torch.uint8, device=device)
     meta = torch.full((num_pages, 2, num_kv_heads, fmt.meta_words(page_size, head_dim)), fmt.NO_STREAM,
                       dtype=torch.int32, device=data.device)
@@ -78,6 +73,7 @@ _KINDS = {
     "tensor": ((torch.Tensor,), "a torch.Tensor"),
     "tensor?": ((torch.Tensor, type(None)), "a torch.Tensor or None"),
     "int": ((numbers.Integral, torch.SymInt), "an int"),
+    "int?": ((numbers.Integral, torch.SymInt, type(None)), "an int or None"),
     "float": ((numbers.Real, torch.SymInt, torch.SymFloat), "a float"),
     "float?": ((numbers.Real, torch.SymInt, torch.SymFloat, type(None)), "a float or None"),
     "bool": ((bool,), "a bool"),
@@ -90,9 +86,9 @@ def _check_types(op: str, **args: tuple) -> None:
     would raise "expected int, found int") or a float that overflows float64."""
     for name, (value, kind) in args.items():
         types, what = _KINDS[kind]
-        if not isinstance(value, types) or (kind == "int" and isinstance(value, bool)):
+        if not isinstance(value, types) or (kind.startswith("int") and isinstance(value, bool)):
             raise TypeError(f"zipkv.{op}: {name} must be {what}, got {type(value).__name__}")
-        if kind == "int" and isinstance(value, numbers.Integral) and not -2**63 <= value < 2**63:
+        if kind.startswith("int") and isinstance(value, numbers.Integral) and not -2**63 <= value < 2**63:
             raise ValueError(f"zipkv.{op}: {name} must fit in an int64, got {value}")
         if kind.startswith("float") and isinstance(value, numbers.Integral):
             try:
