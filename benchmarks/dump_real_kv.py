@@ -7,25 +7,14 @@ the GGUF weights; a handful of layers is a few MB and needs only torch to read b
 
 ``data["kv"]`` has shape ``[len(layers), num_pages, 2, page_size, num_kv_heads, head_dim]``,
 bf16, the per-layer layout of ``torch_zipkv.realkv.real_kv``.
-
-``realkv.py`` is loaded by file path rather than through the ``torch_zipkv`` package,
-whose ``__init__`` imports compiled extensions that a CPU-only dumping machine may lack.
 """
 
 import argparse
-import importlib.util
 import pathlib
 
 import torch
 
-REALKV_PATH = pathlib.Path(__file__).resolve().parents[1] / "torch_zipkv" / "realkv.py"
-
-
-def _load_realkv():
-    spec = importlib.util.spec_from_file_location("torch_zipkv_realkv", REALKV_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from torch_zipkv import realkv
 
 
 def _layer_list(text: str) -> list[int]:
@@ -49,7 +38,6 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    realkv = _load_realkv()
     try:
         kv = realkv.real_kv(args.tokens, page_size=args.page_size)
     except ValueError as error:
