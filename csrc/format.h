@@ -1,4 +1,4 @@
-// The torch_zipkv on-device format, version 3 (kFormatVersion; docs/FORMAT.md is the prose version of this file).
+// The torch_zipkv on-device format, version 4 (kFormatVersion; docs/FORMAT.md is the prose version of this file).
 //
 // Everything that decides where a byte lives is here, as inline functions shared by the CPU (.cpp) and CUDA (.cu)
 // kernels, so both produce the same bytes by construction.
@@ -28,7 +28,7 @@
 // Lane = 4 g + t of a warp owns positions [16 lane, 16 lane + 16): 16 low bytes (one 16-byte load) and 8 code
 // bytes (one 8-byte load), which rebuild the lane's A-operand registers in mma order. Word m of a lane (positions
 // 2m, 2m + 1) is register m % 4 of the A fragment of 16-dim half m / 4 of the block, so each 16-byte half of a raw
-// lane (and each code word's four rebuilt words) is one mma's A operand as it stands (format version 3).
+// lane (and each code word's four rebuilt words) is one mma's A operand as it stands (since format version 3).
 //   K (token-major A of S^T = K Q^T; M = 16 tokens, K = 16 dims): lane holds tokens {g, g+8} and, of each 16-dim
 //     half, dims {2t, 2t+1, 2t+8, 2t+9}:   pos = 16 lane + 8 (dim / 16) + 4 (w / 8) + 2 (tok / 8) + w % 2,
 //     with g = tok % 8, w = dim % 16, t = (w % 8) / 2.
@@ -42,8 +42,13 @@
 // cost a warp 3x the shared-memory wavefronts), and the first piece sits where a compressed block's low bytes sit.
 //
 // Metadata: int32 meta[num_pages][2][num_kv_heads][meta_words], one row per stream.
-//   word 0: stream start in data, in units of 256 bytes (every block size is a multiple of 256), or -1 = no stream.
-//   bytes 4.. (words 1..): one descriptor byte per block: 0x80 = raw, 0..127 = compressed with base b/2;
+//   word 0: stream start in data, in units of 256 bytes (every block size is a multiple of 256), or -1 = no stream
+//           (then the rest of the row is not read).
+//   word 1: the row's tag, meta_tag(page_size, head_dim): the format version and the geometry the stream was
+//           written with. Every reader compares it with the geometry of its call and refuses a row that differs, so
+//           a call with the wrong page_size or head_dim (whose meta row width can come out the same) or a row of
+//           another format version is an error, never neighbouring bytes read as tokens.
+//   bytes 8.. (words 2..): one descriptor byte per block: 0x80 = raw, 0..127 = compressed with base b/2;
 //   0x81..0xFF are invalid; padding bytes are 0. The byte offset of block i inside its stream is
 //   768 i + 256 * (raw blocks before i).
 #pragma once
@@ -58,7 +63,7 @@
 
 namespace zipkv {
 
-constexpr int kFormatVersion = 3;
+constexpr int kFormatVersion = 4;
 constexpr int kTileTokens = 16;
 constexpr int kBlockDims = 32;
 constexpr int kBlockValues = kTileTokens * kBlockDims;  // 512
@@ -71,6 +76,10 @@ constexpr int kStreamAlign = 256;                        // stream offsets are s
 constexpr uint8_t kDescRaw = 0x80;
 constexpr int32_t kNoStream = -1;
 constexpr int kMaxPageSize = 128;
+constexpr int kMetaHeaderWords = 2;  // a meta row's offset and tag words; its descriptors follow
+// Tag bytes (little-endian): head_dim / 32, page_size / 16, 0x80 | version, 'Z'. The version byte is one no
+// version-3 row could hold in word 1 (its descriptor bytes were <= 0x80), so an older row never passes for a v4 one.
+constexpr uint32_t kMetaMagic = 0x5A;
 
 // The head dims the format and every kernel support: the one list on the C++ side (torch_zipkv/format.py HEAD_DIMS is
 // the Python side's; test_format.py checks that they agree). X(D) is expanded once per head dim, in this order:
@@ -93,7 +102,17 @@ ZIPKV_HD int blocks_per_stream(int page_size, int head_dim) {
   return (page_size / kTileTokens) * (head_dim / kBlockDims);
 }
 ZIPKV_HD int meta_words(int page_size, int head_dim) {
-  return 1 + (blocks_per_stream(page_size, head_dim) + 3) / 4;
+  return kMetaHeaderWords + (blocks_per_stream(page_size, head_dim) + 3) / 4;
+}
+// Word 1 of every meta row that holds a stream written for this geometry by this format version.
+ZIPKV_HD int32_t meta_tag(int page_size, int head_dim) {
+  return static_cast<int32_t>(kMetaMagic << 24 | (0x80u | kFormatVersion) << 16 |
+                              static_cast<uint32_t>(page_size / kTileTokens) << 8 |
+                              static_cast<uint32_t>(head_dim / kBlockDims));
+}
+// The descriptor bytes of a meta row.
+ZIPKV_HD const uint8_t* row_descriptors(const int32_t* row) {
+  return reinterpret_cast<const uint8_t*>(row + kMetaHeaderWords);
 }
 ZIPKV_HD int block_bytes(uint8_t desc) { return desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes; }
 ZIPKV_HD bool desc_valid(uint8_t desc) { return desc <= kDescRaw; }
@@ -151,12 +170,32 @@ ZIPKV_HD int block_offset(const uint8_t* desc, int i) {
 }
 
 // Meta row status, shared so CPU kernels can raise and CUDA kernels can refuse to touch a bad row.
-enum StreamStatus : int { kStreamOk = 0, kStreamMissing = 1, kStreamBadDescriptor = 2, kStreamOutOfRange = 3 };
+enum StreamStatus : int {
+  kStreamOk = 0,
+  kStreamMissing = 1,
+  kStreamBadDescriptor = 2,
+  kStreamOutOfRange = 3,
+  kStreamOtherGeometry = 4,  // a tag of this version for another page_size or head_dim
+  kStreamOtherVersion = 5,   // not a tag of this version (another format version, or corrupted)
+};
 
-// Validates one meta row against a data buffer of data_bytes; on success sets *start (bytes) and *nbytes.
-ZIPKV_HD int read_stream(const int32_t* row, int nblocks, int64_t data_bytes, int64_t* start, int* nbytes) {
+// Whether tag (a row's word 1) is this version's tag for (page_size, head_dim): kStreamOk, kStreamOtherGeometry
+// or kStreamOtherVersion.
+ZIPKV_HD int tag_status(int32_t tag, int page_size, int head_dim) {
+  const int32_t want = meta_tag(page_size, head_dim);
+  if (tag == want) return kStreamOk;
+  return (tag & 0xFFFF0000) == (want & 0xFFFF0000) ? kStreamOtherGeometry : kStreamOtherVersion;
+}
+
+// Validates one meta row of a call with this page_size and head_dim against a data buffer of data_bytes; on
+// success sets *start (bytes) and *nbytes.
+ZIPKV_HD int read_stream(const int32_t* row, int page_size, int head_dim, int64_t data_bytes, int64_t* start,
+                         int* nbytes) {
   if (row[0] < 0) return kStreamMissing;
-  const uint8_t* desc = reinterpret_cast<const uint8_t*>(row + 1);
+  const int tag = tag_status(row[1], page_size, head_dim);
+  if (tag != kStreamOk) return tag;
+  const int nblocks = blocks_per_stream(page_size, head_dim);
+  const uint8_t* desc = row_descriptors(row);
   int total = 0;
   for (int i = 0; i < nblocks; ++i) {
     if (!desc_valid(desc[i])) return kStreamBadDescriptor;

@@ -1,7 +1,8 @@
 """Adversarial storage: random corruption of ``data`` and ``meta`` (bit flips, random bytes and words, offsets moved
 to and past the end of ``data``, truncation) of mixed raw/compressed pages. Every call either raises ValueError
 naming a meta row that really is unusable, or returns a result of the right shape and dtype; it raises exactly when
-a row it reads is structurally invalid (no stream, an invalid descriptor, a stream past the end of ``data``), as
+a row it reads is structurally invalid (no stream, a tag of another format version or geometry, an invalid
+descriptor, a stream past the end of ``data``), as
 docs/api.md (Errors) says, and a corrupted ``data`` byte changes exactly the block that holds it. ``data`` is sized
 exactly to the streams (as ``compress`` leaves it), so a stream that reaches past it is refused, never read.
 
@@ -23,7 +24,7 @@ from conftest import compressible_kv, random_kv, requires_cuda, store, with_zero
 GEOMETRIES = [(16, 64, 2), (32, 128, 2), (16, 256, 1), (48, 64, 1)]  # page_size, head_dim, kv heads
 PAGES = 6
 ROW = re.compile(r"meta\[(\d+), ([KV]), head (\d+)\] (holds no stream|has an invalid block descriptor|points past "
-                 r"the end of data)")
+                 r"the end of data|is not a row of format version 4|was written for)")
 
 
 def make_storage(seed: int, page_size: int, head_dim: int, heads: int):
@@ -38,22 +39,29 @@ def make_storage(seed: int, page_size: int, head_dim: int, heads: int):
     return kv, store(kv, raw_pages)
 
 
-def invalid_rows(meta: torch.Tensor, nb: int, data_bytes: int) -> tuple[torch.Tensor, dict]:
+def invalid_rows(meta: torch.Tensor, page_size: int, head_dim: int, data_bytes: int) -> tuple[torch.Tensor, dict]:
     """The format's rule for a usable meta row (docs/FORMAT.md, Metadata), stated independently of the kernels:
-    word 0 >= 0, descriptors of the stream's nb blocks in 0..0x80, and the stream (768 bytes per compressed block,
-    1024 per raw one from word 0 * 256 on) inside data. Returns (bool [pages, 2, heads] invalid, reason per row)."""
+    word 0 >= 0, word 1 the tag of format version 4 for this geometry (bytes head_dim / 32, page_size / 16, 0x84,
+    0x5A), descriptors of the stream's nb blocks in 0..0x80, and the stream (768 bytes per compressed block, 1024 per
+    raw one from word 0 * 256 on) inside data. Returns (bool [pages, 2, heads] invalid, reason per row)."""
+    nb = (page_size // 16) * (head_dim // 32)
     start = meta[..., 0].long()
-    desc = meta[..., 1:].contiguous().view(torch.uint8)[..., :nb].long()
+    tag = meta[..., 1:2].contiguous().view(torch.uint8).long()  # [..., 4] little-endian bytes
+    desc = meta[..., 2:].contiguous().view(torch.uint8)[..., :nb].long()
     missing = start < 0
+    other_version = (tag[..., 2] != 0x84) | (tag[..., 3] != 0x5A)
+    other_geometry = (tag[..., 0] != head_dim // 32) | (tag[..., 1] != page_size // 16)
     bad_desc = (desc > fmt.DESC_RAW).any(-1)
     size = torch.where(desc == fmt.DESC_RAW, fmt.RAW_BLOCK_BYTES, fmt.COMP_BLOCK_BYTES).sum(-1)
     past = start * fmt.STREAM_ALIGN + size > data_bytes
+    invalid = missing | other_version | other_geometry | bad_desc | past
     reason = {}
-    for idx in (missing | bad_desc | past).nonzero().tolist():
+    for idx in invalid.nonzero().tolist():
         i = tuple(idx)
-        reason[i] = ("holds no stream" if missing[i] else "has an invalid block descriptor" if bad_desc[i]
+        reason[i] = ("holds no stream" if missing[i] else "is not a row of format version 4" if other_version[i]
+                     else "was written for" if other_geometry[i] else "has an invalid block descriptor" if bad_desc[i]
                      else "points past the end of data")
-    return missing | bad_desc | past, reason
+    return invalid, reason
 
 
 def check_refusal(error: ValueError, reason: dict) -> None:
@@ -110,19 +118,30 @@ def corrupt(rng: random.Random, ckv: torch_zipkv.CompressedKV, kind: str):
     elif kind == "meta_word":
         words[rng.randrange(words.numel())] = rng.randrange(-2**31, 2**31)
     elif kind == "meta_start":  # another stream's offset, the last that fits, one unit past it, or anything
-        desc = row[1:].contiguous().view(torch.uint8)[:nb]
+        desc = row[2:].contiguous().view(torch.uint8)[:nb]
         size = sum(fmt.RAW_BLOCK_BYTES if d == fmt.DESC_RAW else fmt.COMP_BLOCK_BYTES for d in desc.tolist())
         fits = (data.numel() - size) // fmt.STREAM_ALIGN
         row[0] = rng.choice([rng.choice(meta[..., 0].flatten().tolist()), fits, fits + 1, -1,
                              rng.randrange(-2**31, 2**31)])
     elif kind == "meta_desc":
-        row[1:].view(torch.uint8)[rng.randrange(nb)] = rng.randrange(256)
+        row[2:].view(torch.uint8)[rng.randrange(nb)] = rng.randrange(256)
+    elif kind == "meta_tag":  # another geometry's tag (as a call with the wrong page_size or head_dim sees it), a
+        # version-3 row's word 1 (descriptor bytes), or one random byte
+        tags = [fmt.meta_tag(p, d) for p in range(16, 129, 16) for d in fmt.HEAD_DIMS]
+        choice = rng.randrange(3)
+        if choice == 0:
+            row[1] = rng.choice([t for t in tags if t != int(row[1])])
+        elif choice == 1:
+            row[1] = int.from_bytes(bytes(rng.choice([0x80, rng.randrange(0x80)]) for _ in range(4)), "little",
+                                    signed=True)
+        else:
+            row[1:2].view(torch.uint8)[rng.randrange(4)] = rng.randrange(256)
     elif kind == "truncate":
         data = data[: rng.randrange(data.numel())].clone()  # exactly sized: nothing past it is data's
     return data, meta
 
 
-KINDS = ("data_bits", "data_bytes", "meta_bits", "meta_word", "meta_start", "meta_desc", "truncate")
+KINDS = ("data_bits", "data_bytes", "meta_bits", "meta_word", "meta_start", "meta_desc", "meta_tag", "truncate")
 
 
 @pytest.fixture
@@ -153,7 +172,7 @@ def test_random_corruption_is_refused_exactly_when_structural(page_size, head_di
         kind = KINDS[trial % len(KINDS)]
         data, meta = corrupt(rng, ckv, kind)
         bad = torch_zipkv.CompressedKV(data, meta, P, D)
-        invalid, reason = invalid_rows(meta, nb, data.numel())
+        invalid, reason = invalid_rows(meta, P, D, data.numel())
         calls = {
             "validate": bad.validate,
             "decompress": lambda: torch_zipkv.decompress(bad),
@@ -230,7 +249,7 @@ def test_cuda_poisons_exactly_the_rows_the_cpu_refuses(page_size, head_dim, head
     page_of = block_owner(ckv) // (2 * H * nb)  # the page whose stream holds each byte of the intact data
     for trial in range(20 * len(KINDS)):
         data, meta = corrupt(rng, ckv, KINDS[trial % len(KINDS)])
-        invalid, _ = invalid_rows(meta, nb, data.numel())
+        invalid, _ = invalid_rows(meta, P, D, data.numel())
         out = ops.decompress_pages(data.cuda(), meta.cuda(), ids.cuda(), P, D).cpu()
         for page in range(PAGES):
             if not invalid[page].any():

@@ -665,7 +665,8 @@ def test_cache_full_errors_say_what_was_asked_in_one_unit_a_scheduler_can_compar
     """requested > free, in the unit named: a decode step's pages in every layer (not layer 0's alone), page ids
     where they run out first, the one layer an append names."""
     # The issue's reproducer: 2 layers, one chunk of 2 raw pages: each layer alone could take one, both cannot.
-    c = CompressedPagedKVCache(2, 1, 64, page_size=16, max_bytes=8192 + 8 * 32, chunk_bytes=8192, max_pages=8,
+    id_bytes = 2 * 2 * 1 * fmt.meta_words(16, 64) * 4  # the meta rows of one page id: 2 layers, K|V, 1 kv head
+    c = CompressedPagedKVCache(2, 1, 64, page_size=16, max_bytes=8192 + 8 * id_bytes, chunk_bytes=8192, max_pages=8,
                                device="cpu")
     s = c.add_sequence(0, 0)
     with pytest.raises(CacheFullError, match=r"prepare_step: a decode step of sequences \[0\] needs 1 new raw pages "

@@ -84,7 +84,7 @@ def test_every_raw_block_pattern_of_a_stream(gen, head_dim, group):
                         kv[p, s, token, h, 32 * c + 2 * dim] = 0.0
                         want[p, s, h, c] = True
     ckv = store(kv)
-    raw = ckv.meta[..., 1:].contiguous().view(torch.uint8)[..., :blocks] == fmt.DESC_RAW
+    raw = ckv.descriptors()[..., :blocks] == fmt.DESC_RAW
     assert torch.equal(raw, want)  # the storage kept exactly the blocks the test made raw
     for s in range(2):
         seen = {int(sum(int(b) << c for c, b in enumerate(row))) for row in raw[:, s].reshape(-1, blocks)}
@@ -302,7 +302,7 @@ def test_bad_device_contents_poison_only_their_request(gen):
     last = torch.full((6,), 16, dtype=torch.int32, device="cuda")
     good = torch_zipkv.paged_decode(q, ckv, indptr, indices, last)
     meta = ckv.meta.clone()
-    meta[2, 0, 0, 1] = 0x000000FF  # request 1: descriptor 0xFF (invalid) in its first page's K row
+    meta[2, 0, 0, 2] = 0x000000FF  # request 1: descriptor 0xFF (invalid) in its first page's K row
     meta[5, 1, 0, 0] = 10**8       # request 2: V stream far past the end of data
     meta[6, 0, 0, 0] = -1          # request 3: no stream
     bad_indices = indices.clone()

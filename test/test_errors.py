@@ -57,7 +57,7 @@ def test_compress_pages_rejects_bad_ids_cursor_and_full_arena(setup):
         ops.compress_pages(kv, ids[:3], data, meta, cursor)
     with pytest.raises(ValueError, match="cursor must hold"):
         ops.compress_pages(kv, ids, data, meta, torch.tensor([100, 200]))
-    with pytest.raises(ValueError, match=r"meta must have shape \[num_pages, 2, 2, 2\]"):
+    with pytest.raises(ValueError, match=r"meta must have shape \[num_pages, 2, 2, 3\]"):
         ops.compress_pages(kv, ids, data, meta[..., :1].contiguous(), cursor)
     with pytest.raises(TypeError, match="data must be torch.uint8, got torch.int32"):
         ops.compress_pages(kv, ids, data.view(torch.int32), meta, cursor)
@@ -66,8 +66,9 @@ def test_compress_pages_rejects_bad_ids_cursor_and_full_arena(setup):
     small_data, meta2, small_cursor = empty_storage(4, 16, 2, 64, capacity=4096)
     with pytest.raises(RuntimeError, match="data is full"):  # a state, not a bad value: RuntimeError
         ops.compress_pages(kv, ids, small_data, meta2, small_cursor)
-    assert (meta2 == -1).all() and small_cursor.tolist() == [0, 4096]  # nothing written, cursor unchanged
-    assert (meta == -1).all() and cursor[0] == 0
+    fresh = empty_storage(4, 16, 2, 64, capacity=4096)[1]
+    assert torch.equal(meta2, fresh) and small_cursor.tolist() == [0, 4096]  # nothing written, cursor unchanged
+    assert torch.equal(meta, empty_storage(4, 16, 2, 64)[1]) and cursor[0] == 0
 
 
 def test_decode_rejects_bad_page_table(setup):
@@ -125,7 +126,8 @@ def test_decode_plan_is_a_cuda_query(setup):
 @pytest.mark.parametrize("corrupt, message", [
     (lambda m: m[..., 0].fill_(-1), "holds no stream"),
     (lambda m: m[..., 0].fill_(10**6), "points past the end of data"),
-    (lambda m: m[..., 1].fill_(0x000000FF), "has an invalid block descriptor"),
+    (lambda m: m[..., 2].fill_(0x000000FF), "has an invalid block descriptor"),
+    (lambda m: m[..., 1].fill_(0x00000080), "is not a row of format version 4"),  # a version-3 row's word 1
 ])
 def test_corrupted_meta_is_detected_everywhere(setup, corrupt, message):
     kv, ckv, q, indptr, indices, last = setup
@@ -252,7 +254,7 @@ def test_fake_kernel_refuses_bad_groups_without_dividing_by_zero(setup, num_kv_h
     """meta with 0 kv heads, or GQA groups over 16, are refused by the CPU kernel and, while tracing, by the fake
     kernel: the same ValueError naming q, never a ZeroDivisionError."""
     data = setup[1].data
-    meta = torch.full((4, 2, num_kv_heads, 2), -1, dtype=torch.int32)
+    meta = torch.full((4, 2, num_kv_heads, fmt.meta_words(16, 64)), -1, dtype=torch.int32)
     q = torch.zeros(1, num_qo_heads, 64, dtype=torch.bfloat16)
     table = torch.tensor([0, 0], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     args = (q, data, meta, *table)
@@ -299,7 +301,7 @@ def test_compressed_kv_checks_its_fields(setup):
         torch_zipkv.CompressedKV(ckv.meta.flatten(), ckv.meta, 16, 64)
     with pytest.raises(TypeError, match="CompressedKV: page_size must be an int, got str"):
         torch_zipkv.CompressedKV(ckv.data, ckv.meta, "16", 64)
-    with pytest.raises(ValueError, match=r"CompressedKV: meta must be \[num_pages, 2, num_kv_heads, 3\] for page_size "
+    with pytest.raises(ValueError, match=r"CompressedKV: meta must be \[num_pages, 2, num_kv_heads, 4\] for page_size "
                                          r"64 and head_dim 64"):
         torch_zipkv.CompressedKV(ckv.data, ckv.meta, 64, 64)
     with pytest.raises(ValueError, match=re.escape(f"CompressedKV: head_dim must be one of {fmt.HEAD_DIMS}, got 96")):
@@ -312,7 +314,8 @@ def test_empty_storage_sizes_for_the_worst_case(setup):
     """Its default capacity holds the pages stored all raw, the most they can take."""
     kv = setup[0]
     data, meta, cursor = empty_storage(4, 16, 2, 64)
-    assert data.numel() == kv.numel() * 2 and not data.any() and (meta == -1).all() and meta.shape == (4, 2, 2, 2)
+    assert data.numel() == kv.numel() * 2 and not data.any() and meta.shape == (4, 2, 2, 3)
+    assert (meta[..., 0] == -1).all()  # no stream in any row (test_meta_tag checks the tag in word 1)
     assert cursor.tolist() == [0, data.numel()] and cursor.dtype == torch.int64
     ops.compress_pages(kv, torch.arange(4, dtype=torch.int32), data, meta, cursor, allow_compress=False)
     assert cursor.tolist() == [data.numel(), data.numel()]

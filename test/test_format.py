@@ -52,7 +52,7 @@ def test_head_dims_are_one_list():
     """format.h's ZIPKV_FOR_EACH_HEAD_DIM is format.HEAD_DIMS: the compiled check names that list, and each head dim
     has the file that instantiates its CUDA decode kernel (paged_decode_hd<D>.cu), no other has one."""
     kv = torch.zeros(1, 2, 16, 1, 96, dtype=torch.bfloat16)
-    storage = torch.zeros(16, dtype=torch.uint8), torch.zeros(1, 2, 1, 2, dtype=torch.int32), torch.zeros(2).long()
+    storage = torch.zeros(16, dtype=torch.uint8), torch.zeros(1, 2, 1, 3, dtype=torch.int32), torch.zeros(2).long()
     with pytest.raises(ValueError, match=re.escape(f"zipkv.compress_pages: head_dim must be one of {fmt.HEAD_DIMS}")):
         ops.compress_pages(kv, torch.zeros(1, dtype=torch.int32), *storage)
     listed = re.search(r"#define ZIPKV_FOR_EACH_HEAD_DIM\(X\)((?: X\(\d+\))+)\n", (CSRC / "format.h").read_text())

@@ -16,7 +16,8 @@ class CompressedKV:
     """Pages of K and V stored in the zipkv format (docs/FORMAT.md).
 
     ``data`` (uint8 [nbytes]) holds the streams back to back; ``meta`` (int32 [num_pages, 2, num_kv_heads, W]) has
-    one row per (page, K|V, kv head): the stream's offset and one descriptor per block. Build one with
+    one row per (page, K|V, kv head): the stream's offset, a tag with the geometry it was written with, and one
+    descriptor per block. Build one with
     :func:`compress`; page ``i`` of the input is meta row ``i`` and ``kv_indices`` entries refer to these ids.
     Construction checks the fields' types (TypeError) and shapes (ValueError); :meth:`validate` checks the contents.
     """
@@ -75,8 +76,7 @@ class CompressedKV:
 
     def descriptors(self) -> torch.Tensor:
         """Block descriptors, uint8 [num_pages, 2, num_kv_heads, blocks]: 0x80 raw, else compressed (base / 2)."""
-        nb = fmt.blocks_per_stream(self.page_size, self.head_dim)
-        return self.meta[..., 1:].contiguous().view(torch.uint8)[..., :nb]
+        return fmt.descriptors(self.meta, self.page_size, self.head_dim)
 
     @property
     def compressed_block_fraction(self) -> float:
@@ -101,8 +101,9 @@ class CompressedKV:
         return out
 
     def validate(self) -> None:
-        """Raises ValueError naming the first meta row that is missing, has an invalid descriptor, or points past
-        ``data``. Reads the metadata on the host (a device sync on CUDA).
+        """Raises ValueError naming the first meta row that is missing, was written for another page_size or
+        head_dim or by another format version (its tag), has an invalid descriptor, or points past ``data``. Reads
+        the metadata on the host (a device sync on CUDA).
 
         These structural checks are all there is (docs/api.md, Errors): a changed byte of ``data``, or a change of
         ``meta`` that keeps every row well formed (another offset inside ``data``, another valid descriptor), passes
@@ -112,15 +113,25 @@ class CompressedKV:
         desc = self.descriptors().cpu().to(torch.int64)
         start = meta[..., 0].to(torch.int64) * fmt.STREAM_ALIGN
         size = torch.where(desc == fmt.DESC_RAW, fmt.RAW_BLOCK_BYTES, fmt.COMP_BLOCK_BYTES).sum(-1)
+        tag = meta[..., 1]
+        version = (tag >> 16) & 0xFFFF  # the tag's magic and version bytes
+        ours = (fmt.META_MAGIC << 8) | 0x80 | fmt.FORMAT_VERSION
         problems = [
             (meta[..., 0] < 0, "holds no stream"),
+            (version != ours, f"is not a row of format version {fmt.FORMAT_VERSION} (another version's, or corrupted)"),
+            (tag != fmt.meta_tag(self.page_size, self.head_dim), None),  # another geometry: its own message below
             ((desc > fmt.DESC_RAW).any(-1), "has an invalid block descriptor"),
             (start + size > self.data.numel(), "points past the end of data"),
         ]
         for bad, what in problems:
             if bad.any():
                 page, kv, head = (int(x) for x in bad.nonzero()[0])
-                raise ValueError(f"CompressedKV.meta[{page}, {'KV'[kv]}, head {head}] {what} (blocks per stream: {nb})")
+                row = f"CompressedKV.meta[{page}, {'KV'[kv]}, head {head}]"
+                if what is None:
+                    written = fmt.tag_geometry(int(tag[page, kv, head]))
+                    raise ValueError(f"{row} was written for page_size {written[0]} and head_dim {written[1]}, not "
+                                     f"the CompressedKV's page_size {self.page_size} and head_dim {self.head_dim}")
+                raise ValueError(f"{row} {what} (blocks per stream: {nb})")
 
 
 def _require_ckv(op: str, ckv) -> None:

@@ -5,7 +5,9 @@ test/test_format.py checks that these agree with the compiled kernels' bytes and
 
 from __future__ import annotations
 
-FORMAT_VERSION = 3  # 3: a lane's words in mma A-operand register order (docs/FORMAT.md, Versioning)
+import torch
+
+FORMAT_VERSION = 4  # 4: every meta row carries its geometry and version in a tag word (docs/FORMAT.md, Versioning)
 TILE_TOKENS = 16  # tokens of one tile, and of one block
 BLOCK_DIMS = 32  # dims of one block
 BLOCK_VALUES = TILE_TOKENS * BLOCK_DIMS  # 512
@@ -15,6 +17,8 @@ STREAM_ALIGN = 256  # meta word 0 counts stream starts in these units
 DESC_RAW = 0x80
 NO_STREAM = -1
 MAX_PAGE_SIZE = 128
+META_HEADER_WORDS = 2  # a meta row's stream offset and tag; its descriptor bytes follow
+META_MAGIC = 0x5A  # the tag's top byte
 # The head dims the format and every kernel support: the one list on the Python side (format.h's
 # ZIPKV_FOR_EACH_HEAD_DIM is the C++ side's). Tests and benchmarks that cover every head dim iterate over it.
 HEAD_DIMS = (64, 128, 256)
@@ -42,8 +46,25 @@ def blocks_per_stream(page_size: int, head_dim: int) -> int:
 
 
 def meta_words(page_size: int, head_dim: int) -> int:
-    """int32 words of one meta row: the stream offset, then one descriptor byte per block, padded to a word."""
-    return 1 + (blocks_per_stream(page_size, head_dim) + 3) // 4
+    """int32 words of one meta row: the stream offset, the tag, then one descriptor byte per block, padded to a
+    word."""
+    return META_HEADER_WORDS + (blocks_per_stream(page_size, head_dim) + 3) // 4
+
+
+def meta_tag(page_size: int, head_dim: int) -> int:
+    """Word 1 of every meta row holding a stream written for this geometry by this format version, as an int32
+    value. Bytes (little-endian): head_dim / 32, page_size / 16, 0x80 | FORMAT_VERSION, META_MAGIC."""
+    tag = META_MAGIC << 24 | (0x80 | FORMAT_VERSION) << 16 | (page_size // TILE_TOKENS) << 8 | head_dim // BLOCK_DIMS
+    return tag - (1 << 32) if tag >= 1 << 31 else tag
+
+
+def tag_geometry(tag: int) -> tuple[int, int] | None:
+    """(page_size, head_dim) a meta row with this tag was written for, or None if it is not a tag of this format
+    version."""
+    tag &= 0xFFFFFFFF
+    if tag >> 16 != META_MAGIC << 8 | 0x80 | FORMAT_VERSION:
+        return None
+    return (tag >> 8 & 0xFF) * TILE_TOKENS, (tag & 0xFF) * BLOCK_DIMS
 
 
 def raw_page_bytes(page_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -53,8 +74,15 @@ def raw_page_bytes(page_size: int, num_kv_heads: int, head_dim: int) -> int:
 
 
 def raw_descriptor_words(page_size: int, head_dim: int) -> list[int]:
-    """Meta row words 1.. of a stream whose blocks are all raw (0x80 per block, zero padding), as int32 values.
-    With word 0 pointing at room for the raw stream, that row makes an open page that ``append_kv`` can fill."""
+    """Meta row words 1.. of a stream whose blocks are all raw (the tag, then 0x80 per block, zero padding), as int32
+    values. With word 0 pointing at room for the raw stream, that row makes an open page that ``append_kv`` can
+    fill."""
     nb = blocks_per_stream(page_size, head_dim)
-    raw = bytes([DESC_RAW] * nb + [0] * (4 * (meta_words(page_size, head_dim) - 1) - nb))
-    return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    raw = bytes([DESC_RAW] * nb + [0] * (4 * (meta_words(page_size, head_dim) - META_HEADER_WORDS) - nb))
+    return [meta_tag(page_size, head_dim)] + [int.from_bytes(raw[i : i + 4], "little", signed=True)
+                                              for i in range(0, len(raw), 4)]
+
+
+def descriptors(meta, page_size: int, head_dim: int):
+    """The block descriptors of meta rows (int32 [..., meta_words]) as uint8 [..., blocks]."""
+    return meta[..., META_HEADER_WORDS:].contiguous().view(torch.uint8)[..., : blocks_per_stream(page_size, head_dim)]

@@ -41,7 +41,8 @@ def empty_storage(
     - ``data``: uint8 [capacity], zero-filled. ``capacity`` defaults to
       ``num_pages * format.raw_page_bytes(page_size, num_kv_heads, head_dim)``, what the pages take stored all raw,
       the most they can take: compressing them all into it never fills it.
-    - ``meta``: int32 [num_pages, 2, num_kv_heads, W] filled with -1 (format.NO_STREAM: no page stored).
+    - ``meta``: int32 [num_pages, 2, num_kv_heads, W], every row holding no stream (word 0 = format.NO_STREAM) but
+      already tagged with the geometry (word 1 = format.meta_tag(page_size, head_dim)); the rest -1.
     - ``cursor``: int64 [2] = {0, capacity}: ``compress_pages`` stores from byte 0 and never past ``capacity``.
 
     All three on ``device`` (torch's default device when None), filled on the device without waiting for it (so it
@@ -63,6 +64,7 @@ def empty_storage(
     data = torch.zeros(capacity, dtype=torch.uint8, device=device)
     meta = torch.full((num_pages, 2, num_kv_heads, fmt.meta_words(page_size, head_dim)), fmt.NO_STREAM,
                       dtype=torch.int32, device=data.device)
+    meta[..., 1].fill_(fmt.meta_tag(page_size, head_dim))
     cursor = torch.zeros(2, dtype=torch.int64, device=data.device)
     cursor[1:].fill_(capacity)  # a fill on the device: no host copy, so no wait for the device
     return data, meta, cursor

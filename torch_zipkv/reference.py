@@ -65,9 +65,11 @@ def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch
                     block = comp_bytes[i, kvi, h, b] if comp[i, kvi, h, b] else raw_bytes[i, kvi, h, b]
                     chunks.append(block)
                     offset += block.numel()
-    desc_bytes = torch.zeros(n, 2, H, (fmt.meta_words(P, D) - 1) * 4, dtype=torch.uint8)
+    # Word 1, the tag: bytes head_dim / 32, page_size / 16, 0x80 | version 4, 'Z' (0x5A).
+    meta[..., 1] = torch.tensor([D // 32, P // 16, 0x84, 0x5A], dtype=torch.uint8).view(torch.int32)
+    desc_bytes = torch.zeros(n, 2, H, (fmt.meta_words(P, D) - 2) * 4, dtype=torch.uint8)
     desc_bytes[..., : desc.shape[-1]] = desc.to(torch.uint8)
-    meta[..., 1:] = desc_bytes.view(torch.int32)
+    meta[..., 2:] = desc_bytes.view(torch.int32)
     data = torch.cat(chunks).to(torch.uint8) if chunks else torch.empty(0, dtype=torch.uint8)
     return data, meta
 

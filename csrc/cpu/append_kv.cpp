@@ -16,7 +16,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
                    int64_t page_size, at::Tensor& data, const at::Tensor& meta) {
   check_append_args(k, v, page_ids, slots, page_size, data, meta);
   const int64_t n = k.size(0), num_pages = meta.size(0);
-  const int P = page_size, H = k.size(1), D = k.size(2), nb = blocks_per_stream(P, D), spans = D / kBlockDims;
+  const int P = page_size, H = k.size(1), D = k.size(2), spans = D / kBlockDims;
   const int32_t* ids = page_ids.data_ptr<int32_t>();
   const int32_t* slot = slots.data_ptr<int32_t>();
   // Validate every target before writing anything, so a bad call leaves the cache untouched.
@@ -28,7 +28,8 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
       for (int h = 0; h < H; ++h) {
         int64_t off;
         int nbytes;
-        const uint8_t* desc = read_stream_or_throw("append_kv", data, meta, ids[i], is_v, h, nb, &off, &nbytes);
+        const uint8_t* desc = read_stream_or_throw("append_kv", "its page_size and k.shape[2]", data, meta, ids[i],
+                                                   is_v, h, P, D, &off, &nbytes);
         for (int b = (slot[i] / kTileTokens) * spans; b < (slot[i] / kTileTokens + 1) * spans; ++b)
           TORCH_CHECK_VALUE(desc[b] == kDescRaw, "zipkv.append_kv: page ", ids[i], " (page_ids[", i,
                             "]) is compressed; tokens can only be appended to open (raw) pages");
@@ -57,7 +58,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
         const int b = (slot[i] / kTileTokens) * spans + span;
         // Earlier blocks of the page may be compressed (a larger page filled tile by tile): use the real offset.
         auto* block = reinterpret_cast<uint16_t*>(
-            base + stream + block_offset(reinterpret_cast<const uint8_t*>(row + 1), b));
+            base + stream + block_offset(row_descriptors(row), b));
         for (int dim = 0; dim < kBlockDims; ++dim)
           block[raw_index(position(is_v, tok, dim))] = src[is_v][(i * H + h) * D + span * kBlockDims + dim];
       }

@@ -68,7 +68,8 @@ void compress_pages_cpu(const at::Tensor& kv, const at::Tensor& page_ids, bool a
       int32_t* row = meta.data_ptr<int32_t>() + ((int64_t{ids[s / (2 * H)]} * 2 + is_v) * H + head) * words;
       std::fill(row, row + words, 0);
       row[0] = static_cast<int32_t>(start[s] / kStreamAlign);
-      std::copy(d, d + nb, reinterpret_cast<uint8_t*>(row + 1));
+      row[1] = meta_tag(P, D);
+      std::copy(d, d + nb, reinterpret_cast<uint8_t*>(row + kMetaHeaderWords));
     }
   });
   cur[0] = start[streams];

@@ -26,7 +26,8 @@ void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const 
       int64_t off;
       int nbytes;
       const uint8_t* desc =
-          read_stream_or_throw("decompress_pages", data, meta, ids[i], is_v, head, nb, &off, &nbytes);
+          read_stream_or_throw("decompress_pages", "out.shape[2] and out.shape[4]", data, meta, ids[i], is_v, head,
+                               P, D, &off, &nbytes);
       for (int b = 0; b < nb; ++b) {
         decode_block(src + off, desc[b], v);
         scatter_block(v, P, H, D, is_v, head, b, dst + i * page_values);

@@ -26,7 +26,8 @@ void decode_stream(const at::Tensor& data, const at::Tensor& meta, int64_t page,
   const int nb = blocks_per_stream(P, D);
   int64_t off;
   int nbytes;
-  const uint8_t* desc = read_stream_or_throw("paged_decode", data, meta, page, is_v, head, nb, &off, &nbytes);
+  const uint8_t* desc = read_stream_or_throw("paged_decode", "its page_size and q.shape[2]", data, meta, page, is_v,
+                                             head, P, D, &off, &nbytes);
   uint16_t v[kBlockValues];
   for (int b = 0; b < nb; ++b) {
     decode_block(data.data_ptr<uint8_t>() + off, desc[b], v);

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <ios>
+
 #include "../format.h"
 
 namespace zipkv::cpu {
@@ -35,13 +37,23 @@ inline const int32_t* meta_row(const at::Tensor& meta, int64_t page, int is_v, i
   return meta.data_ptr<int32_t>() + ((page * 2 + is_v) * meta.size(2) + head) * meta.size(3);
 }
 
-// Validates meta[page][is_v][head] against data (read_stream) and raises ValueError naming the row when it is not
-// usable; returns the stream's block descriptors.
-inline const uint8_t* read_stream_or_throw(const char* op, const at::Tensor& data, const at::Tensor& meta, int64_t page,
-                                 int is_v, int head, int nblocks, int64_t* start, int* nbytes) {
+// Validates meta[page][is_v][head] against data and the call's geometry (read_stream) and raises ValueError naming
+// the row, and for a row written with another geometry the arguments that gave the call's (geometry_args, e.g.
+// "its page_size and q.shape[2]"), when it is not usable; returns the stream's block descriptors.
+inline const uint8_t* read_stream_or_throw(const char* op, const char* geometry_args, const at::Tensor& data,
+                                           const at::Tensor& meta, int64_t page, int is_v, int head, int page_size,
+                                           int head_dim, int64_t* start, int* nbytes) {
   const int32_t* row = meta_row(meta, page, is_v, head);
-  const int status = read_stream(row, nblocks, data.numel(), start, nbytes);
-  if (status == kStreamOk) return reinterpret_cast<const uint8_t*>(row + 1);
+  const int status = read_stream(row, page_size, head_dim, data.numel(), start, nbytes);
+  if (status == kStreamOk) return row_descriptors(row);
+  const auto tag = static_cast<uint32_t>(row[1]);
+  TORCH_CHECK_VALUE(status != kStreamOtherGeometry, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ",
+                    head, "] was written for page_size ", ((tag >> 8) & 0xFF) * kTileTokens, " and head_dim ",
+                    (tag & 0xFF) * kBlockDims, ", not the call's page_size ", page_size, " and head_dim ", head_dim,
+                    " (", geometry_args, "): the wrong geometry, or meta of other storage");
+  TORCH_CHECK_VALUE(status != kStreamOtherVersion, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ",
+                    head, "] is not a row of format version ", kFormatVersion, " (its tag word is 0x", std::hex, tag,
+                    std::dec, ": a row of another version, or corrupted)");
   const char* what = status == kStreamMissing        ? "holds no stream (page never stored)"
                      : status == kStreamBadDescriptor ? "has an invalid block descriptor (corrupted)"
                                                       : "points past the end of data (corrupted, or the wrong data)";

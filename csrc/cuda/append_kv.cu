@@ -1,5 +1,5 @@
 // CUDA kernel of zipkv::append_kv: one thread per (token, K|V, head, dim) writes two bytes into its raw block.
-// A token whose page id, slot or meta row is invalid, or whose block is compressed, is not written (the CPU kernel
+// A token whose page id, slot or meta row is invalid (or tagged with another geometry or format version), or whose block is compressed, is not written (the CPU kernel
 // raises for the same input); the kernel never touches memory outside data. Two tokens with one (page, slot) race:
 // each 2-byte value of the slot ends up holding one of them, unspecified which (so the slot may mix both tokens). The
 // CPU kernel refuses them; here a check (or a rule such as "the last wins") would cost every thread a scan of all the
@@ -26,12 +26,11 @@ __global__ void append_kv_kernel(const uint16_t* __restrict__ k, const uint16_t*
   const int64_t page = page_ids[i];
   const int slot = slots[i];
   if (page < 0 || page >= num_pages || slot < 0 || slot >= P) return;
-  const int nb = blocks_per_stream(P, D);
   const int32_t* row = meta + ((page * 2 + is_v) * H + head) * words;
   int64_t start;
   int nbytes;
-  if (read_stream(row, nb, data_bytes, &start, &nbytes) != kStreamOk) return;
-  const uint8_t* desc = reinterpret_cast<const uint8_t*>(row + 1);
+  if (read_stream(row, P, D, data_bytes, &start, &nbytes) != kStreamOk) return;
+  const uint8_t* desc = row_descriptors(row);
   const int b = (slot / kTileTokens) * (D / kBlockDims) + dim / kBlockDims;
   if (desc[b] != kDescRaw) return;
   uint16_t* block = reinterpret_cast<uint16_t*>(data + start + block_offset(desc, b));

@@ -202,10 +202,11 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
     int32_t* row = meta + ((page * 2 + (stream / H) % 2) * H + stream % H) * words;
     const bool stored = stream_start_s[s + 1] <= limit_s;
     row[0] = stored ? static_cast<int32_t>(stream_start_s[s] / kStreamAlign) : kNoStream;
-    for (int w = 1; w < words; ++w) {
+    row[1] = meta_tag(P, D);
+    for (int w = kMetaHeaderWords; w < words; ++w) {
       uint32_t packed = 0;
       for (int j = 0; j < 4; ++j) {
-        const int b = 4 * (w - 1) + j;
+        const int b = 4 * (w - kMetaHeaderWords) + j;
         if (b < nb) packed |= static_cast<uint32_t>(desc_s[s * nb + b]) << (8 * j);
       }
       row[w] = static_cast<int32_t>(packed);

@@ -1,6 +1,6 @@
 // CUDA kernel of zipkv::decompress_pages: each warp fetches four blocks, rebuilds them in registers and writes them in
-// natural layout with 16-byte stores. A stream whose meta row is missing or corrupt is never read: its values come
-// back as 0xFFFF (NaN).
+// natural layout with 16-byte stores. A stream whose meta row is missing, corrupt or tagged with another geometry or
+// format version (format.h read_stream) is never read: its values come back as 0xFFFF (NaN).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) decompress_pages_kernel(
       const int32_t* row = meta + ((page * 2 + my_is_v) * H + stream % H) * words;
       int64_t start;
       int nbytes;
-      if (read_stream(row, nb, data_bytes, &start, &nbytes) == kStreamOk) {
-        const uint8_t* d = reinterpret_cast<const uint8_t*>(row + 1);
+      if (read_stream(row, P, D, data_bytes, &start, &nbytes) == kStreamOk) {
+        const uint8_t* d = row_descriptors(row);
         my_desc = d[b];
         my_src = start + block_offset(d, b);
       }

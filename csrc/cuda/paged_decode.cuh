@@ -25,8 +25,9 @@
 // each group of four words is one mma's A operand as it stands.
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
-// out of range, a missing stream, an invalid descriptor, a stream past the end of data or an inconsistent page-table
-// entry (indptr, last_page_len) turns that request's output and lse into NaN; no byte outside data is read.
+// out of range, a missing stream, a meta row tagged with another geometry or format version, an invalid descriptor,
+// a stream past the end of data or an inconsistent page-table entry (indptr, last_page_len) turns that request's
+// output and lse into NaN; no byte outside data is read.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -222,11 +223,13 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
     for (int w = 0; w < Entry<D>::kDescWords; ++w) e.desc[kv][w] = 0;
     if (!ok) continue;  // never read meta rows that do not exist
     const uint32_t* row = reinterpret_cast<const uint32_t*>(p.meta + ((int64_t{page} * 2 + kv) * p.H + head) * p.words);
-    e.start[kv] = static_cast<int32_t>(__ldg(row));
+    // A row whose tag is not this call's geometry and version reads as no stream: refused, the request NaN.
+    const bool tagged = static_cast<int32_t>(__ldg(row + 1)) == meta_tag(p.page_size, D);
+    e.start[kv] = tagged ? static_cast<int32_t>(__ldg(row)) : -1;
 #pragma unroll
-    for (int w = 0; w < Entry<D>::kDescWords; ++w) e.desc[kv][w] = __ldg(row + 1 + first_word + w);
+    for (int w = 0; w < Entry<D>::kDescWords; ++w) e.desc[kv][w] = __ldg(row + kMetaHeaderWords + first_word + w);
     for (int w = 0; w < first_word; ++w) {
-      const uint32_t x = __ldg(row + 1 + w);
+      const uint32_t x = __ldg(row + kMetaHeaderWords + w);
       e.before[kv] += __popc(x & 0x80808080u);
       e.bad_before |= invalid_desc_bytes(x);
     }
