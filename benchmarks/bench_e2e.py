@@ -317,7 +317,8 @@ class EngineJob:
             prof = {"error": f"torch.profiler: {type(e).__name__}: {e}"}
         st = self.engine.stats()
         running1 = running_of(st)
-        row = {"batch": batch, "steps": spec["steps"], "wall_ms_per_step": wall * 1e3, "tok_s": batch / wall,
+        # Tokens per second of the batch that ran (it equals ``batch`` unless the warning below says otherwise).
+        row = {"batch": running0, "steps": spec["steps"], "wall_ms_per_step": wall * 1e3, "tok_s": running0 / wall,
                "step_call_ms": call_ms, "gpu": prof, "engine_stats": jsonable(st)}
         if prof and "kernel_ms_per_step" in prof:
             row["wall_over_kernel"] = wall * 1e3 / prof["kernel_ms_per_step"]
@@ -363,6 +364,9 @@ class EngineJob:
         # the timed steps: both engines warm up as long, so they run the same steps.
         row = self.time_batch(batch, self.spec["warmup"] + 2 * getattr(self.engine, "compress_every", 8) + 1)
         row["admission_s"] = admit_s
+        if row["batch"] != batch:
+            row["error"] = f"only {row['batch']} of {batch} requests were running: not a batch-{batch} figure"
+            row["batch"] = batch
         return row
 
 
@@ -612,7 +616,7 @@ def summarize(result: dict) -> None:
                 largest.setdefault(job["system"], {})[job["budget"]] = {
                     "budget": job["budget"], "budget_bytes": job.get("budget_bytes"), "batch": row.get("batch"),
                     "largest_batch": row.get("largest_batch"), "tok_s": row.get("tok_s")}
-            if row.get("kind") == "fixed" and row.get("tok_s"):
+            if row.get("kind") == "fixed" and row.get("tok_s") and "error" not in row:
                 by[(job["system"], row["batch"])] = row
     result["largest_batch"] = largest
     ratios = {"fixed_batch": {}, "largest_batch": {}}

@@ -21,10 +21,10 @@ def plot(result: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    for system, (color, marker, label) in STYLE.items():
+    for index, (system, (color, marker, label)) in enumerate(STYLE.items()):
         points = {}  # batch -> tok/s (the same batch measured under two budgets: the last one drawn wins)
         for run in result["runs"]:
-            if run["system"] == system and run.get("tok_s"):
+            if run["system"] == system and run.get("tok_s") and "error" not in run:
                 points[run["batch"]] = run["tok_s"]
         if not points:
             continue
@@ -34,7 +34,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
             b = largest.get("batch")
             if b in points:
                 ax.plot([b], [points[b]], color=color, marker="*", markersize=16, markeredgecolor="black")
-                ax.annotate(f"{largest['budget']}: {b}", (b, points[b]), textcoords="offset points", xytext=(6, -14),
+                ax.annotate(f"{largest['budget']}: {b}", (b, points[b]), textcoords="offset points",
+                            xytext=(6, -14 - 10 * index),
                             fontsize=8, color=color)
     ax.set_xlabel("running batch (requests of %d prompt + %d new tokens)" % (result["prompt_len"],
                                                                            result["new_tokens"]))
