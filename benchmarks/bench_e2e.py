@@ -30,7 +30,9 @@ Per system and budget, in its own process (a CUDA-Graph'd step keeps what it cap
   records: tokens/s inside the longest window in which its concurrency was at its largest. Its largest batch is that
   concurrency. It runs under the first budget only (prefilling 8K prompts costs device time).
 
-Ratios are against the raw engine in the same run. Writes bench_e2e.json, bench_e2e.md (a table) and bench_e2e.png into --out (e2e_report.py).
+Ratios are against the raw engine in the same run. Writes bench_e2e.json, bench_e2e.md (a table) and bench_e2e.png
+into --out (e2e_report.py draws and tabulates). The whole run stays inside ``--time-limit``: each process gets what is
+left less a reserve for the jobs after it, and writes its results after every batch, so a cut keeps what it measured.
 """
 
 from __future__ import annotations
