@@ -63,7 +63,8 @@ def markdown(result: dict) -> str:
     budgets = result["budgets"]
     head = (["system"] + [f"largest batch, {b}" for b in budgets] + [f"tok/s at largest, {b}" for b in budgets]
             + [f"tok/s at {b}" for b in fixed] + ["wall / GPU kernels"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"> {result['note']}", ""] if result.get("note") else []
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     raw_fixed = {r["batch"]: r["tok_s"] for r in runs if r["system"] == "raw" and r.get("kind") == "fixed"}
     raw_largest = result["largest_batch"].get("raw", {})
     for system, (_, _, label) in STYLE.items():
