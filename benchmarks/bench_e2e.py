@@ -753,6 +753,8 @@ def main() -> None:
     args.hf_new_tokens = args.hf_new_tokens or args.new_tokens
     args.budgets = args.budgets or (["16MiB", "32MiB"] if args.tiny else ["48GiB", "free"])
     args.batches = args.batches or ([4, 8, 16] if args.tiny else [16, 32, 48, 64])
+    if device == "cpu" and "free" in args.budgets:
+        p.error("--budgets free is the GPU's memory after the weights; give sizes (e.g. 16MiB) on CPU")
     if args.tiny and args.kv_chunk_kib is None:
         args.kv_chunk_kib = 256
     hf_batches = []
