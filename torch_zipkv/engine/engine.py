@@ -62,12 +62,13 @@ class Engine:
         page_size: tokens per page (a multiple of 16).
         compress_every: steps between compression rounds.
         seed: seeds the draws of requests that give no seed.
+        kv_chunk_bytes: the cache's arena chunk (default 4 MiB; smaller for tiny models and budgets).
     """
 
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
                  compress: bool = True, max_batch: int | None = None, prefill_chunk: int = 512,
                  cuda_graphs: bool | None = None, tokenizer=None, page_size: int = 16, compress_every: int = 8,
-                 seed: int = 0):
+                 seed: int = 0, kv_chunk_bytes: int | None = None):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         param = next(model.parameters())
@@ -108,7 +109,8 @@ class Engine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.kv = CompressedPagedKVCache(config.num_hidden_layers, num_kv_heads, head_dim, page_size=page_size,
                                          max_bytes=max_kv_bytes, memory_fraction=memory_fraction,
-                                         device=self.device, sliding_window=_sliding_windows(config))
+                                         device=self.device, sliding_window=_sliding_windows(config),
+                                         **({} if kv_chunk_bytes is None else {"chunk_bytes": kv_chunk_bytes}))
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
         self.hf_cache = EngineCache(self.kv)
         self._cache_kw = cache_kwarg(model)
