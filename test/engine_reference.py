@@ -3,6 +3,8 @@ rule for where a different rounding of the same math may pick another token (a b
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -27,9 +29,19 @@ class Reference:
             before = model.config._attn_implementation
             model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
             try:
-                out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                                     return_dict_in_generate=True, pad_token_id=0)
+                ids = torch.tensor([prompt], device=model.device)
+                # No EOS: the engine stops only at the request's stop tokens, and min_new_tokens would mask EOS's
+                # logit (a different argmax than the raw logits). An explicit mask: generate would otherwise mask
+                # every prompt token equal to the pad token.
+                saved = copy.deepcopy(model.generation_config)
+                model.generation_config.eos_token_id = None  # (a None passed to generate means "the default")
+                try:
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                         pad_token_id=0)
+                finally:
+                    model.generation_config = saved
+                assert out.sequences.shape[1] == len(prompt) + new_tokens
             finally:
                 model.set_attn_implementation(before)
             self.memo[key] = (out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 1)[0].float().cpu())

@@ -310,3 +310,22 @@ def test_sampler_draws_from_the_softmax():
     # the same (seed, position) draws the same token in any batch
     assert torch.equal(draw(1.0)[:10], sample(rows[:10], ones[:10], torch.zeros(10, dtype=torch.long), ones[:10],
                                               seeds[:10], pos[:10], any_sampled=True, any_filtered=False))
+
+
+def test_smollm2_greedy_matches_generate():
+    """SmolLM2 (real weights) with chunked prefill: the engine's greedy tokens are transformers' own, up to ties."""
+    import copy
+
+    from conftest import require_smollm2
+
+    model, tok = require_smollm2().load_smollm2()
+    model = copy.deepcopy(model)  # load_smollm2's model is shared: the engine switches its attention
+    ref = Reference(model)
+    prompts = [tok(p).input_ids for p in ("Photosynthesis is the process by which plants",
+                                          "Here is a short story about a cat named Tom:",
+                                          "import numpy as np\n\n# Compute the mean of a list")]
+    eng = Engine(model, max_kv_bytes=256 << 20, prefill_chunk=8, compress_every=2)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=16))
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == 16
+        ref.check(prompt, out.token_ids)
