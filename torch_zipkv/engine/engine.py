@@ -215,7 +215,7 @@ class Engine:
         if self.compress and self._steps % self.compress_every == 0:
             self.kv.compress_full_pages(wait=False)
         self._admit()
-        launched: list[tuple[_Request, torch.Tensor]] = []
+        launched: list[tuple[list[_Request], torch.Tensor]] = []  # (rows, their sampled tokens on the device)
         decoding = [r for r in self._running if r.wants_decode]
         if decoding:
             launched.append((decoding, self._decode(decoding)))
@@ -317,9 +317,12 @@ class Engine:
         """Sample the next token of each row; store it (the next input) and advance the position, on the device."""
         pos = self._pos[slots] + 1  # the sampled token's position
         sampled = [r for r in batch if not r.params.greedy]
-        tokens = sample(logits, self._temp[slots], self._top_k[slots], self._top_p[slots], self._seed[slots], pos,
-                        any_sampled=bool(sampled),
-                        any_filtered=any(r.params.top_k > 0 or r.params.top_p < 1 for r in sampled))
+        if sampled:
+            tokens = sample(logits, self._temp[slots], self._top_k[slots], self._top_p[slots], self._seed[slots], pos,
+                            any_sampled=True, any_filtered=any(r.params.top_k > 0 or r.params.top_p < 1
+                                                               for r in sampled))
+        else:  # an all-greedy batch gathers no sampling parameters
+            tokens = logits.argmax(-1)
         self._next[slots] = tokens
         self._pos[slots] = pos
         for r in batch:
@@ -331,7 +334,7 @@ class Engine:
         if not launched:
             return None
         reqs = [r for batch, _ in launched for r in batch]
-        tokens = torch.cat([t for _, t in launched])
+        tokens = launched[0][1] if len(launched) == 1 else torch.cat([t for _, t in launched])
         if self.device.type != "cuda":
             return reqs, tokens, None
         buf = self._host_bufs[self._steps % 2]
