@@ -22,19 +22,22 @@ ARCHS = {  # windows small enough to bite within these tests' lengths
     "llama": {},
     "gemma3": {"sliding_window": 16},  # sliding and full layers
     "gemma2": {"sliding_window": 16},  # logit soft cap (eager prefill attention), sliding layers
+    "qwen3": {},  # q/k norm
+    "mistral": {"sliding_window": 16},  # one window for every layer
 }
+_MODELS: dict = {}
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
-def model_ref(request):
-    model = small_model(request.param, **ARCHS[request.param])
-    return model, Reference(model)
+def model_and_reference(arch: str):
+    if arch not in _MODELS:
+        model = small_model(arch, **ARCHS[arch])
+        _MODELS[arch] = (model, Reference(model))
+    return _MODELS[arch]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llama():
-    model = small_model("llama")
-    return model, Reference(model)
+    return model_and_reference("llama")
 
 
 def prompts_of(rng: random.Random, lengths) -> list[list[int]]:
@@ -68,12 +71,13 @@ def run_all(eng: Engine, arrivals: list[tuple[int, list[int], SamplingParams]],
     return outs
 
 
-@pytest.mark.parametrize("case", range(2))
-def test_greedy_matches_generate(model_ref, case):
+@pytest.mark.parametrize("arch, case", [("llama", 0), ("llama", 1), ("gemma3", 0), ("gemma3", 1), ("gemma2", 0),
+                                        ("qwen3", 0), ("mistral", 0)])
+def test_greedy_matches_generate(arch, case):
     """Prompts of random lengths (pages crossed, windows passed) arriving at random steps, with random prefill chunks
     and batch limits: every request's greedy tokens are transformers' own (its default cache, one request alone), up to
     bf16 ties."""
-    model, ref = model_ref
+    model, ref = model_and_reference(arch)
     rng = random.Random(case)
     prompts = prompts_of(rng, [rng.randint(1, 40) for _ in range(5)])
     new = [rng.randint(1, 12) for _ in prompts]
@@ -324,8 +328,8 @@ def test_smollm2_greedy_matches_generate():
     prompts = [tok(p).input_ids for p in ("Photosynthesis is the process by which plants",
                                           "Here is a short story about a cat named Tom:",
                                           "import numpy as np\n\n# Compute the mean of a list")]
-    eng = Engine(model, max_kv_bytes=256 << 20, prefill_chunk=8, compress_every=2)
-    outs = eng.generate(prompts, SamplingParams(max_new_tokens=16))
+    eng = Engine(model, max_kv_bytes=256 << 20, prefill_chunk=6, compress_every=2)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=8))
     for prompt, out in zip(prompts, outs):
-        assert len(out.token_ids) == 16
+        assert len(out.token_ids) == 8
         ref.check(prompt, out.token_ids)
