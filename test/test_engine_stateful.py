@@ -58,7 +58,8 @@ class EngineMachine(RuleBasedStateMachine):
     def finished(self, rid) -> bool:
         return bool(self.outputs.get(rid)) and self.outputs[rid][-1].finished
 
-    @rule(prompt=st.sampled_from(range(len(PROMPTS))), new=st.integers(1, MAX_NEW), stop_at=st.none() | st.integers(0, 7))
+    @rule(prompt=st.sampled_from(range(len(PROMPTS))), new=st.integers(1, MAX_NEW),
+          stop_at=st.none() | st.integers(0, 7))
     def add(self, prompt, new, stop_at):
         p = PROMPTS[prompt]
         stops = ()

@@ -3,10 +3,9 @@ on CUDA), sampling on the device and tokens read back one step late. docs/engine
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections import deque
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -135,9 +134,8 @@ class Engine:
         self._grow_tables(64)
 
         self._rng = random.Random(seed)
-        self._ids = itertools.count()
+        self._next_id = 0  # ids are issued in order: 0 .. _next_id - 1
         self._requests: dict[int, _Request] = {}  # every request not yet reported finished
-        self._known: set[int] = set()  # every id ever issued
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admitted, in admission order (prefill or decode)
         self._finished_out: list[_Request] = []  # finished (abort) but not yet reported
@@ -175,10 +173,10 @@ class Engine:
             params_seed = self._rng.getrandbits(32)
         else:
             params_seed = seed32(params.seed)
-        req = _Request(next(self._ids), prompt, params, kv_source)
+        req = _Request(self._next_id, prompt, params, kv_source)
+        self._next_id += 1
         self._seed_of[req.rid] = params_seed
         self._requests[req.rid] = req
-        self._known.add(req.rid)
         self._waiting.append(req)
         return req.rid
 
@@ -187,7 +185,7 @@ class Engine:
         the next :meth:`step`. Returns False if it had already finished; KeyError for an id never issued."""
         if not _is_int(request_id):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
-        if request_id not in self._known:
+        if not 0 <= request_id < self._next_id:
             raise KeyError(f"no request with id {request_id}")
         req = self._requests.get(request_id)
         if req is None or req.state == "finished":
@@ -378,7 +376,7 @@ class Engine:
         new = req.tokens[req.emitted:]
         req.emitted = len(req.tokens)
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and req.state == "finished":  # once: decoding every step would cost O(n^2)
             text = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
         return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt, new_token_ids=new,
                              token_ids=list(req.tokens), finished=req.state == "finished",

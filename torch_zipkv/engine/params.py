@@ -1,4 +1,4 @@
-"""What a request asks for (:class:`SamplingParams`) and what the engine hands back per step (:class:`RequestOutput`)."""
+"""What a request asks for (:class:`SamplingParams`) and what the engine reports per step (:class:`RequestOutput`)."""
 
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ class RequestOutput:
 
     ``new_token_ids``: tokens generated since the last output of this request; ``token_ids``: every token generated so
     far (the prompt excluded); ``finished`` with ``finish_reason`` "stop" (a stop token, included), "length"
-    (``max_new_tokens`` reached) or "abort" (:meth:`Engine.abort`). ``text`` is the decoded ``token_ids`` when the
-    engine has a tokenizer."""
+    (``max_new_tokens`` reached) or "abort" (:meth:`Engine.abort`). ``text``: the decoded ``token_ids`` of a finished
+    request, when the engine has a tokenizer."""
 
     request_id: int
     prompt_token_ids: list[int]
