@@ -1,0 +1,138 @@
+"""The engine's transformers ``Cache``: what one model call of the engine appends to the paged cache and attends to.
+
+The engine runs the model's own forward with the "zipkv" attention (``torch_zipkv.enable``). That attention function
+hands its work to the ``zipkv_cache`` the cache's ``update`` put in the attention kwargs (see
+``torch_zipkv/integrations/transformers.py``), here an :class:`EngineCache`, which is in one of two modes per call:
+
+- ``decode``: one token per batch row; ``append_kv`` and ``paged_decode`` on the page table the engine set in
+  ``tables`` (a ``DecodeStep``'s tensors, or a CUDA Graph's static copies of them, padded rows included);
+- ``prefill``: one chunk of one request; the chunk's K/V are appended to the request's pages, and the chunk attends
+  to the request's earlier tokens (``gather``: decompressed into scratch, bit-exact) and to itself, causally, with the
+  layer's sliding window, through transformers' SDPA (or an eager attention with Gemma 2's logit soft cap).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .. import ops
+from ..cache import CompressedPagedKVCache
+from ..integrations.transformers import _PENDING, _softcapped_attention
+
+
+class _EngineLayer(CacheLayerMixin):
+    """What transformers asks one layer (mask sizes, length). The engine passes ``position_ids`` and the attention
+    builds its own masks, so every answer is a constant: nothing per step for a captured graph to depend on."""
+
+    is_sliding = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        # transformers 5.24 passes the query length, older versions the cache positions (a tensor)
+        n = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
+        return n, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+
+
+class EngineCache(Cache):
+    """A transformers ``Cache`` over the engine's :class:`~torch_zipkv.CompressedPagedKVCache` (``kv``). The engine
+    sets the mode before each model call: :meth:`for_decode` or :meth:`for_prefill`."""
+
+    def __init__(self, kv: CompressedPagedKVCache):
+        super().__init__(layers=[_EngineLayer() for _ in range(kv.num_layers)])
+        self.kv = kv
+        self.window_left = [-1 if w is None else w - 1 for w in kv.sliding_window]  # paged_decode's convention
+        self.mode: str | None = None
+        self.tables: tuple | None = None  # page_ids, slots, kv_indptr, kv_indices, kv_last_page_len
+        self.seq_id: int | None = None
+        self.start = 0  # the prefill chunk's first position
+
+    def for_decode(self, tables: tuple) -> None:
+        self.mode, self.tables = "decode", tables
+
+    def for_prefill(self, seq_id: int, start: int) -> None:
+        self.mode, self.seq_id, self.start = "prefill", seq_id, start
+
+    # ---- transformers' Cache interface ---------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        forward_kwargs = kwargs.get("kwargs")
+        if isinstance(forward_kwargs, dict):
+            forward_kwargs["zipkv_cache"] = self
+            _PENDING[0] = None
+        else:  # transformers before ~5.20 pass update no kwargs (see the integration)
+            _PENDING[0] = (self, layer_idx)
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("the engine's cache does not support beam search")
+
+    # ---- attention -----------------------------------------------------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, *, scaling, sliding_window, softcap, kwargs):
+        """``query`` [B, Hq, L, D], ``key``/``value`` [B, Hkv, L, D] -> ``(out [B, L, Hq, D], None)``."""
+        layer = module.layer_idx
+        kv = self.kv
+        if query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16:
+            raise ValueError(f"the engine needs a bfloat16 model, got query {query.dtype} and key {key.dtype}")
+        if kv.sliding_window[layer] != sliding_window:
+            raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, the engine's cache has "
+                             f"{kv.sliding_window[layer]}")
+        if self.mode == "decode":
+            page_ids, slots, indptr, indices, last = self.tables
+            ops.append_kv(key[:, :, 0].contiguous(), value[:, :, 0].contiguous(), page_ids, slots, kv.page_size,
+                          kv.data, kv.meta(layer))
+            out = ops.paged_decode(query[:, :, 0].contiguous(), kv.data, kv.meta(layer), indptr, indices, last,
+                                   kv.page_size, sm_scale=scaling, window_left=self.window_left[layer],
+                                   logits_soft_cap=float(softcap or 0.0))
+            return out.unsqueeze(1), None
+        if self.mode != "prefill":
+            raise RuntimeError("EngineCache used outside the engine's step (no mode set)")
+        return self._prefill_chunk(module, layer, query, key, value, scaling, sliding_window, softcap)
+
+    def _prefill_chunk(self, module, layer, query, key, value, scaling, window, softcap):
+        kv, sid, start = self.kv, self.seq_id, self.start
+        if query.shape[0] != 1:
+            raise ValueError(f"a prefill chunk is one request, got batch {query.shape[0]}")
+        k_new, v_new = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()  # [C, H, D]
+        first = kv.kept_from(layer, sid)
+        if kv.seq_len(layer, sid) > first:  # earlier tokens: decompressed into scratch (bit-exact BF16)
+            k_old, v_old = kv.gather(layer, sid)
+            keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
+        else:
+            keys, values = k_new, v_new
+        kv.append(layer, sid, k_new, v_new)
+        n = query.shape[2]
+        q_pos = torch.arange(start, start + n, device=query.device)[:, None]
+        k_pos = torch.arange(first, first + keys.shape[0], device=query.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        mask = mask[None, None]  # [1, 1, C, T]: True attends
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H, T, D]
+        if softcap is not None:  # SDPA cannot cap logits
+            return _softcapped_attention(query, keys, values, mask, scaling, softcap), None
+        return sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)

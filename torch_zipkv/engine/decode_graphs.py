@@ -1,0 +1,103 @@
+"""Decode steps replayed as CUDA Graphs: one graph per (batch bucket, page-table width), captured on first use.
+
+A graph is a capture of the model's eager forward over static input buffers: token ids, positions and the step's
+page table (``page_ids``, ``slots``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``). Before each replay the
+engine copies the step's tensors into them (device-to-device copies, no host sync).
+
+Padding: a batch of B rows runs in the bucket's Bp >= B rows. A padded row appends its (garbage) K/V to the engine's
+pad page (a page of a one-token sequence the engine keeps for this, so its slots 1.. are never anyone's tokens), each
+padded row to its own slot, and reads nothing (``kv_indptr`` repeats the last real entry, ``kv_last_page_len`` 0), so
+it neither writes into a real page nor is read back; its logits are dropped.
+
+``kv_indices`` is sized to the next power of two of the step's table, so the decode kernel's launch plan (read from
+the shapes) stays close to what the eager step would pick, with few captures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16, then ``max_batch``: a bucket pads at most 15 rows (one page's slots besides the pad
+    token, so every padded row writes its own slot)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class _Graph:
+    def __init__(self, batch: int, width: int, pad_page: int, page_size: int, device):
+        i32 = dict(dtype=torch.int32, device=device)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pad_page_ids = torch.full((batch,), pad_page, **i32)
+        # row r pads into slot 1 + r % (page_size - 1): distinct for the <= 15 padded rows of a bucket
+        self.pad_slots = 1 + torch.arange(batch, **i32) % (page_size - 1)
+        self.page_ids = self.pad_page_ids.clone()
+        self.slots = self.pad_slots.clone()
+        self.indptr = torch.zeros(batch + 1, **i32)
+        self.indices = torch.zeros(width, **i32)
+        self.last = torch.zeros(batch, **i32)
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def tables(self) -> tuple:
+        return self.page_ids, self.slots, self.indptr, self.indices, self.last
+
+
+class DecodeGraphs:
+    """Captures and replays decode steps. ``forward(ids [Bp, 1], pos [Bp, 1], tables) -> logits [Bp, vocab]`` runs the
+    model once (the engine's eager decode forward)."""
+
+    def __init__(self, forward, *, max_batch: int, pad_page: int, page_size: int, device):
+        self.forward, self.pad_page, self.page_size, self.device = forward, pad_page, page_size, device
+        self.buckets = bucket_sizes(max_batch)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
+
+    def _capture(self, batch: int, width: int) -> _Graph:
+        g = _Graph(batch, width, self.pad_page, self.page_size, self.device)
+        # Every row is a padded row while capturing: the warm-up run writes only into the pad page.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.forward(g.ids, g.pos, g.tables)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.logits = self.forward(g.ids, g.pos, g.tables)
+        return g
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, step) -> torch.Tensor:
+        """Replay the decode step of B rows (``ids``, ``pos`` int64 [B]; ``step`` a DecodeStep); returns the
+        logits [B, vocab] (a view of the graph's output, valid until the next replay)."""
+        b = ids.shape[0]
+        bp = self.bucket(b)
+        n = step.kv_indices.shape[0]
+        width = max(16, 1 << (n - 1).bit_length())
+        g = self.graphs.get((bp, width))
+        if g is None:
+            g = self.graphs[(bp, width)] = self._capture(bp, width)
+        g.ids[:b, 0].copy_(ids)
+        g.pos[:b, 0].copy_(pos)
+        g.page_ids[:b].copy_(step.page_ids)
+        g.slots[:b].copy_(step.slots)
+        g.indptr[: b + 1].copy_(step.kv_indptr)
+        g.last[:b].copy_(step.kv_last_page_len)
+        g.indices[:n].copy_(step.kv_indices)
+        if bp > b:  # rows a larger batch used before are padded rows again
+            g.page_ids[b:].copy_(g.pad_page_ids[b:])
+            g.slots[b:].copy_(g.pad_slots[b:])
+            g.indptr[b + 1:].copy_(step.kv_indptr[b:].expand(bp - b))
+            g.last[b:].zero_()
+            g.ids[b:].zero_()
+            g.pos[b:].zero_()
+        g.graph.replay()
+        return g.logits[:b]
