@@ -50,7 +50,8 @@ def tp_run(tmp_path_factory):
     out.mkdir()
     save_model(models / "llama", 3)  # 2 KV heads: 1 per rank
     save_model(models / "uneven", 0, hidden_size=384, num_attention_heads=6, num_key_value_heads=3)  # 1.5 per rank
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    # CPU and gloo everywhere: on a GPU machine transformers would bind each rank to a GPU of its own.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "tp_worker.py"), str(models), str(out)]

@@ -43,8 +43,8 @@ import torch
 from . import format as fmt
 from . import ops
 from .arena import Arena
-from .distributed import all_min, check_process_group
 from .compression_rounds import CompressionRounds
+from .distributed import all_min, check_process_group
 from .page_store import PageStore
 from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader

@@ -61,11 +61,14 @@ def _local_rows(weight: torch.Tensor) -> int:
 
 def local_kv_heads(model, num_kv_heads: int, head_dim: int) -> int:
     """KV heads of each attention layer on this rank: ``num_kv_heads`` (the config's count) for a model that is not
-    sharded, this rank's share under tensor parallelism, read from the width of each attention module's ``k_proj``
-    shard (what the module's forward produces). ValueError when the heads do not split into whole heads, or split
-    differently across layers: transformers cuts ``k_proj`` into equal row slices, so with KV heads not divisible by
-    the TP size a rank would hold part of a head, and the model itself fails at its first forward."""
+    sharded; under transformers' tensor parallelism (``model._tp_size > 1``) this rank's share, read from the width
+    of each attention module's ``k_proj`` shard (what the module's forward produces). ValueError when the heads do
+    not split into whole heads, or split differently across layers: transformers cuts ``k_proj`` into equal row
+    slices, so with KV heads not divisible by the TP size a rank would hold part of a head, and the model itself
+    fails at its first forward."""
     tp_size = getattr(model, "_tp_size", None) or 1
+    if tp_size == 1:  # not sharded: the config's count (and no other tower's attention can get in the way)
+        return num_kv_heads
     counts = set()
     for name, module in model.named_modules():
         k_proj = getattr(module, "k_proj", None)
@@ -79,10 +82,8 @@ def local_kv_heads(model, num_kv_heads: int, head_dim: int) -> int:
                 f"{head_dim}); use a TP size that divides the number of KV heads")
         counts.add(rows // head_dim)
     if not counts:
-        if tp_size > 1:
-            raise ValueError(f"model is sharded across {tp_size} ranks, but it has no attention module with a k_proj "
-                             "to read this rank's KV heads from")
-        return num_kv_heads
+        raise ValueError(f"model is sharded across {tp_size} ranks, but it has no attention module with a k_proj "
+                         "to read this rank's KV heads from")
     if len(counts) > 1:
         raise ValueError(f"attention layers hold different numbers of KV heads on this rank ({sorted(counts)}); "
                          "the cache needs one count for every layer")
