@@ -84,6 +84,7 @@ def reference(models: Path, rows: slice = slice(None)) -> list:
 def test_tokens_equal_the_single_process_default_cache(tp_run):
     want = reference(tp_run[0])
     for rec in scenario(tp_run, "generate"):
+        assert rec["default_cache_tp"] == want  # the premise: transformers' own TP run gives these tokens too
         assert rec["hf_generate"] == want  # model.generate(..., cache=ZipKVCache.from_model(model, ...))
         assert rec["zipkv_generate"] == want  # torch_zipkv.generate, eager
 

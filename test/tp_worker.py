@@ -60,7 +60,9 @@ def generate(models, rank, world):
     out["stored_bytes"], out["raw_bytes"] = stats["stored_bytes"], stats["raw_bytes"]
     out["capacity_after"] = caps(cache.kv, 40, NEW)
     out["zipkv_generate"] = torch_zipkv.generate(model, ids, mask, max_new_tokens=NEW).tolist()
+    model.set_attn_implementation("sdpa")  # transformers' own TP path: its default cache and attention
     out["default_cache_tp"] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False).tolist()
+    torch_zipkv.enable(model)
     return out
 
 

@@ -455,9 +455,11 @@ def enable(model):
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, zipkv_attention_forward)
 def zipkv_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
-    """transformers mask function "zipkv": SDPA's mask for prefill; none for a decode step, where paged_decode
-    attends to exactly each sequence's stored tokens (pads never enter the cache)."""
-    if q_length == 1:
+    """transformers mask function "zipkv": SDPA's mask for prefill; none for a decode step on a ZipKVCache, where
+    paged_decode attends to exactly each sequence's stored tokens (pads never enter the cache). A ZipKVCache's mask
+    spans the new token only (``get_mask_sizes``); a decode step whose mask spans more keys runs on another cache
+    (transformers' default one), whose SDPA needs the mask to skip the pads."""
+    if q_length == 1 and kv_length == 1:
         return None
     return sdpa_mask(batch_size, q_length, kv_length, *args, **kwargs)
 
