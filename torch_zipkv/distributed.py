@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_min", "check_process_group", "local_kv_heads", "tp_group"]
+__all__ = ["all_min", "check_process_group", "local_kv_heads", "tp_group", "tp_size"]
 
 
 def check_process_group(process_group):
@@ -39,18 +39,37 @@ def all_min(values: list[int], process_group, device: torch.device) -> list[int]
     return t.tolist()
 
 
+def _tp_mesh(model):
+    """The 1-D tensor-parallel mesh of a transformers model (its device mesh's "tp" dimension, or the whole mesh
+    where it has one unnamed dimension, as transformers once made it), or None."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return None
+    if "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return mesh["tp"]
+    return mesh if mesh.ndim == 1 else None
+
+
+def tp_size(model) -> int:
+    """Ranks a transformers model's layers are sharded across: transformers' ``_tp_size``, else the size of its
+    tensor-parallel mesh; 1 for a model that is not sharded."""
+    size = getattr(model, "_tp_size", None)
+    if size is None:
+        mesh = _tp_mesh(model)
+        size = 1 if mesh is None else mesh.size()
+    return int(size)
+
+
 def tp_group(model):
     """The tensor-parallel process group of a transformers model sharded with ``tp_plan`` (its device mesh's "tp"
     dimension), or None for a model that is not sharded."""
-    mesh = getattr(model, "_device_mesh", None)
-    if mesh is None or (getattr(model, "_tp_size", None) or 1) <= 1:
+    if tp_size(model) <= 1:
         return None
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if "tp" in names:
-        return mesh.get_group("tp")
-    if mesh.ndim == 1:  # transformers' older 1-D TP mesh, without dimension names
-        return mesh.get_group()
-    raise ValueError(f"model has tp_size {model._tp_size} but its device mesh {mesh} has no 'tp' dimension")
+    mesh = _tp_mesh(model)
+    if mesh is None:
+        raise ValueError(f"model is sharded across {tp_size(model)} ranks, but its device mesh "
+                         f"{getattr(model, '_device_mesh', None)} has no 'tp' dimension")
+    return mesh.get_group()
 
 
 def _local_rows(weight: torch.Tensor) -> int:
@@ -61,13 +80,13 @@ def _local_rows(weight: torch.Tensor) -> int:
 
 def local_kv_heads(model, num_kv_heads: int, head_dim: int) -> int:
     """KV heads of each attention layer on this rank: ``num_kv_heads`` (the config's count) for a model that is not
-    sharded; under transformers' tensor parallelism (``model._tp_size > 1``) this rank's share, read from the width
+    sharded; under transformers' tensor parallelism (:func:`tp_size` > 1) this rank's share, read from the width
     of each attention module's ``k_proj`` shard (what the module's forward produces). ValueError when the heads do
     not split into whole heads, or split differently across layers: transformers cuts ``k_proj`` into equal row
     slices, so with KV heads not divisible by the TP size a rank would hold part of a head, and the model itself
     fails at its first forward."""
-    tp_size = getattr(model, "_tp_size", None) or 1
-    if tp_size == 1:  # not sharded: the config's count (and no other tower's attention can get in the way)
+    ranks = tp_size(model)
+    if ranks == 1:  # not sharded: the config's count (and no other tower's attention can get in the way)
         return num_kv_heads
     counts = set()
     for name, module in model.named_modules():
@@ -77,12 +96,12 @@ def local_kv_heads(model, num_kv_heads: int, head_dim: int) -> int:
         rows = _local_rows(k_proj.weight)
         if rows != num_kv_heads * head_dim and rows % head_dim:  # sharded mid-head
             raise ValueError(
-                f"{num_kv_heads} KV heads do not split evenly across {tp_size} tensor-parallel ranks: this rank's "
+                f"{num_kv_heads} KV heads do not split evenly across {ranks} tensor-parallel ranks: this rank's "
                 f"{name}.k_proj holds {rows} of {num_kv_heads * head_dim} outputs ({rows / head_dim:g} heads of "
                 f"{head_dim}); use a TP size that divides the number of KV heads")
         counts.add(rows // head_dim)
     if not counts:
-        raise ValueError(f"model is sharded across {tp_size} ranks, but it has no attention module with a k_proj "
+        raise ValueError(f"model is sharded across {ranks} ranks, but it has no attention module with a k_proj "
                          "to read this rank's KV heads from")
     if len(counts) > 1:
         raise ValueError(f"attention layers hold different numbers of KV heads on this rank ({sorted(counts)}); "
