@@ -272,6 +272,15 @@ def test_wrong_attention_implementation_raises(gen):
         teacher_forced_logits(model, "sdpa", ids, mask, forced, cache)
 
 
+def test_zipkv_attention_on_the_default_cache_is_sdpa(gen):
+    """"zipkv" attention handed transformers' own cache (no ZipKVCache) is SDPA: the decode steps of a left-padded
+    batch keep the mask that skips the pads, so the logits are SDPA's, bit for bit."""
+    model = small_model("qwen3")
+    ids, mask, forced = padded_batch(gen, [24, 15], 8)
+    want = teacher_forced_logits(model, "sdpa", ids, mask, forced)
+    assert torch.equal(teacher_forced_logits(model, "zipkv", ids, mask, forced), want)
+
+
 def test_bad_arguments_raise():
     model = small_model("qwen3")
     with pytest.raises(ValueError, match="max_bytes and max_length"):

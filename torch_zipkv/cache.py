@@ -44,6 +44,7 @@ from . import format as fmt
 from . import ops
 from .arena import Arena
 from .compression_rounds import CompressionRounds
+from .distributed import all_min, check_process_group
 from .page_store import PageStore
 from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader
@@ -141,17 +142,25 @@ class CompressedPagedKVCache:
             Mistral's ``sliding_window``): one int for every layer, or one entry per layer (None: full attention).
             Decoding such a layer attends to its last ``sliding_window`` tokens, and the pages before them are
             freed between steps; :meth:`gather` returns the tokens it still keeps.
+        process_group: under tensor parallelism, the ``torch.distributed`` group of the ranks that each hold a share
+            of the model's KV heads in a cache of their own. What fits is then the least over the group's ranks, so
+            every rank admits the same requests: :meth:`capacity`, :meth:`add_sequence`, and an :meth:`append` or
+            :meth:`prepare_step` that opens pages beyond the sequences' budgets are collectives, which every rank
+            calls in the same order with the same arguments. Everything else (appends within budgets, decode,
+            compression) stays on the rank. None, or a group of one rank: this cache decides alone.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,
                  max_bytes: int | None = None, memory_fraction: float | None = None, device=None,
-                 chunk_bytes: int = _CHUNK_BYTES, max_pages: int | None = None, sliding_window=None):
+                 chunk_bytes: int = _CHUNK_BYTES, max_pages: int | None = None, sliding_window=None,
+                 process_group=None):
         _check_int("num_layers", num_layers, 1)
         _check_int("num_kv_heads", num_kv_heads, 1)
         _check_int("page_size", page_size)
         _check_int("head_dim", head_dim)
         fmt.check_geometry(page_size, head_dim)
         self.sliding_window: list[int | None] = self._windows(sliding_window, num_layers)
+        self.process_group = check_process_group(process_group)  # None unless there are other ranks to agree with
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -610,16 +619,31 @@ class CompressedPagedKVCache:
         if extra is None:
             extra = np.zeros(self.num_layers, dtype=np.int64)
         ids = len(self._free_ids) - self._reserved_ids - extra_ids
-        return self._arena.max_new_pages(extra), max(0, ids)
+        room = self._arena.max_new_pages(extra), max(0, ids)
+        return room if self.process_group is None else tuple(self._agree(list(room)))
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The least of each value over the process group's ranks (see ``process_group``): a collective."""
+        return all_min(values, self.process_group, self.device)
 
     def _describe_ids(self) -> str:
         return (f"{len(self._free_ids)} of {len(self._arena.offset[0])} page ids free, {self._reserved_ids} of them "
-                f"promised to {len(self._seqs)} running sequences")
+                f"promised to {len(self._seqs)} running sequences{self._on_this_rank()}")
 
     def _describe_free(self) -> str:
         a = self._arena
         return (f"{len(a.pool)} of {a.num_chunks} chunks free, {a.free_slot_count.sum()} free slots, "
-                f"{a.reserved.sum()} pages promised to {len(self._seqs)} running sequences")
+                f"{a.reserved.sum()} pages promised to {len(self._seqs)} running sequences{self._on_this_rank()}")
+
+    def _on_this_rank(self) -> str:
+        """What a CacheFullError's description adds under a process group: its figures are this rank's own, the
+        refusal is the group's."""
+        if self.process_group is None:
+            return ""
+        import torch.distributed as dist
+
+        return (f", on rank {dist.get_rank(self.process_group)} of {dist.get_world_size(self.process_group)}; "
+                "every rank refuses what one rank cannot fit")
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _open_pages(self, layers: slice, batch: Batch, layout: AppendLayout) -> list[np.ndarray]:
@@ -634,16 +658,25 @@ class CompressedPagedKVCache:
         beyond = sum(j >= s.budget for s, j in new)  # pages outside their sequence's promise
         need_ids = [(s, j) for s, j in new if j >= s.num_ids]
         ids_beyond = sum(j >= s.budget for s, j in need_ids)
-        if need_ids and ids_beyond > len(self._free_ids) - self._reserved_ids:
+        ids_short = ids_beyond > len(self._free_ids) - self._reserved_ids
+        fits = self._arena.fits(layers, beyond)
+        # Within the budgets every rank fits (promises). Beyond them the ranks agree, which they reach together:
+        # ``beyond`` and ``ids_beyond`` come from lengths and budgets, the same on every rank.
+        if self.process_group is not None and (beyond or ids_beyond):
+            ids_fit, fits = self._agree([int(not ids_short), int(fits)])
+            ids_short = not ids_fit
+        if need_ids and ids_short:
             free = self._room()[1]
             raise CacheFullError(f"{self._what(layers, batch)} needs {ids_beyond} page ids beyond the sequences' "
                                  f"budgets, but only {free} are free ({self._describe_ids()})",
                                  requested=ids_beyond, free=free, unit="page ids")
-        if not self._arena.fits(layers, beyond):
+        if not fits:
             if layers == slice(None):  # a decode step: every layer takes them
                 free, where, unit = self._room()[0], " in every layer", "pages per layer"
             else:
                 free, where, unit = self._arena.spare_pages(layers.start), "", "pages"
+                if self.process_group is not None:
+                    free = self._agree([free])[0]
             raise CacheFullError(f"{self._what(layers, batch)} needs {len(new)} new raw pages{where}, {beyond} of "
                                  f"them beyond the sequences' budgets, but only {free} can be taken{where} without "
                                  f"breaking promises ({self._describe_free()})", requested=beyond, free=free, unit=unit)

@@ -56,6 +56,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import format as fmt
 from ..cache import CompressedPagedKVCache
+from ..distributed import local_kv_heads, tp_group
 
 ATTN_IMPLEMENTATION = "zipkv"
 # (cache, layer_idx) from the last ZipKVCache.update that had no attention kwargs to carry the cache (older
@@ -146,19 +147,26 @@ class ZipKVCache(Cache):
     @classmethod
     def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
                    max_new_tokens: int | None = None, max_bytes: int | None = None, page_size: int = 16,
-                   device=None, compress_every: int = 8) -> "ZipKVCache":
+                   device=None, compress_every: int = 8, process_group=None) -> "ZipKVCache":
         """A cache shaped for ``model`` (its text config: layers, KV heads, head_dim), on the model's device.
 
         Size it with ``max_bytes`` (data + metadata, see :class:`~torch_zipkv.CompressedPagedKVCache`) or with
         ``max_length``: room for ``batch_size`` sequences of ``max_length`` tokens (prompt + new tokens) stored raw,
-        so whatever compresses is headroom.
+        so whatever compresses is headroom. Both size this rank's cache.
+
+        Under tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``) the cache holds this
+        rank's KV heads, read from the width of the sharded ``k_proj`` (ValueError if the heads do not split into
+        whole heads per rank), and agrees on what fits with the other ranks over ``process_group``: by default the
+        model's tensor-parallel group (see :class:`~torch_zipkv.CompressedPagedKVCache`).
         """
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
         windows = _sliding_windows(config)
         num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = local_kv_heads(model, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
+        if process_group is None:
+            process_group = tp_group(model)
         if device is None:
             device = next(model.parameters()).device
         fmt.check_geometry(page_size, head_dim)
@@ -177,7 +185,7 @@ class ZipKVCache(Cache):
         else:
             kwargs = {"max_bytes": max_bytes}
         kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device,
-                                    sliding_window=windows, **kwargs)
+                                    sliding_window=windows, process_group=process_group, **kwargs)
         return cls(kv, max_new_tokens=max_new_tokens, compress_every=compress_every)
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
@@ -447,9 +455,11 @@ def enable(model):
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, zipkv_attention_forward)
 def zipkv_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
-    """transformers mask function "zipkv": SDPA's mask for prefill; none for a decode step, where paged_decode
-    attends to exactly each sequence's stored tokens (pads never enter the cache)."""
-    if q_length == 1:
+    """transformers mask function "zipkv": SDPA's mask for prefill; none for a decode step on a ZipKVCache, where
+    paged_decode attends to exactly each sequence's stored tokens (pads never enter the cache). A ZipKVCache's mask
+    spans the new token only (``get_mask_sizes``); a decode step whose mask spans more keys runs on another cache
+    (transformers' default one), whose SDPA needs the mask to skip the pads."""
+    if q_length == 1 and kv_length == 1:
         return None
     return sdpa_mask(batch_size, q_length, kv_length, *args, **kwargs)
 
