@@ -32,3 +32,13 @@ bash .box/box.sh build || exit 1
 export ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=.box/data/real_kv.pt PYTHONUNBUFFERED=1
 timeout 240 python3 -m pytest -q -p no:cacheprovider test/test_adversarial_format.py test/test_decode_cuda.py test/test_cuda.py \
   test/test_hf_compiled_loop.py test/test_decode.py 2>&1 | tee "$OUT/tests_cuda.log"
+
+# a later call, commit 3862da6 (format v4: the geometry tag in every meta row), main + wt-v4 + wt-engine built as one
+# checkout: the CUDA, format, decode, adversarial and meta-tag tests (-> tests_meta_tag.log); the next call on the same
+# machine: a short decode run with FlashInfer (-> bench_decode_meta_tag.log)
+export PYTHONPATH=$PWD:/tmp/site-x:/tmp/zipkv-site ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt ZIPKV_REQUIRE_CUDA_BUILD=1
+bash .box/box.sh build || exit 1
+timeout 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or decode or format or adversarial or meta_tag" test 2>&1 | tee "$OUT/tests_meta_tag.log"
+timeout 200 python3 benchmarks/bench_decode.py --out "$OUT" --iters 30 --cases llama:8192:32,llama:2048:64,smollm2:8192:64 2>&1 | tee "$OUT/bench_decode_meta_tag.log"
+
+# commit d3dc1dc: the engine's GPU tests (-> tests_engine_cuda.log) and bench_e2e: ../bench_e2e_h200.sh
