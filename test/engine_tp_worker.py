@@ -51,7 +51,7 @@ def staggered(models, rank):
         kv.append([s["kv_bytes_stored"], s["kv_bytes_raw"]])
         step += 1
     return {"log": log, "kv": kv, "kv_heads": eng.kv.num_kv_heads, "group": eng.process_group is not None,
-            "largest_batch": eng.stats()["largest_batch"]}
+            "largest_batch": eng.stats()["largest_batch"], "cuda_graphs": eng.stats()["cuda_graphs"]}
 
 
 def follower(models, rank):

@@ -149,3 +149,24 @@ def test_serve_under_torchrun(run):
     # Only rank 0 shows the progress bar and prints the summary.
     assert "30 tokens in" in records[0]["stdout"] and "tok/s" in records[0]["stderr"]
     assert records[1]["stdout"] == "" and "tok/s" not in records[1]["stderr"]
+
+
+def test_serve_tp_flag_starts_torchrun(run, tmp_path):
+    """``python -m torch_zipkv.serve --tp 2`` outside torchrun starts it: rank 0 alone writes and prints."""
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "torch_zipkv.serve", "--tp", "2", "--model", str(run[0] / "llama"),
+                           "--num-prompts", "3", "--prompt-len", "20", "--gen-len", "4", "--device", "cpu",
+                           "--max-kv-bytes", str(16 << 20), "--no-progress", "--out", str(out)],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["output_len"] for r in rows] == [4, 4, 4]
+    assert proc.stdout.count("12 tokens in") == 1
+
+
+def test_serve_tp_must_match_torchrun(monkeypatch):
+    from torch_zipkv import serve
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        serve.main(["--tp", "4"])
