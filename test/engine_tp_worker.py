@@ -70,7 +70,9 @@ def follower(models, rank):
         log.append(outputs(eng.step()))
     while eng.has_unfinished():
         log.append(outputs(eng.step()))
-    return {"log": log, "aborts": aborts}
+    # Then every rank makes the same call: a sampled request without a seed draws the same seed on every rank.
+    sampled = eng.generate([ps[1]], SamplingParams(max_new_tokens=6, temperature=1.0))[0].token_ids
+    return {"log": log, "aborts": aborts, "sampled": sampled}
 
 
 def admission(models, rank):

@@ -118,6 +118,8 @@ def test_requests_and_aborts_from_rank_0_reach_every_rank(run, reference):
     assert got[3] == ([], "abort")  # aborted while waiting
     for i in (0, 2):
         assert got[i] == (reference[i], "length")
+    # Calls made on every rank afterwards agree too (rank 1 drew the seeds of rank 0's seedless requests).
+    assert records[0]["sampled"] == records[1]["sampled"] and len(records[0]["sampled"]) == 6
 
 
 def test_admission_agrees_when_one_rank_has_less_room(run, reference):

@@ -296,6 +296,8 @@ class Engine:
         if self.rank != 0 and not log:
             for e in events:
                 if e[0] == "add":
+                    if e[3].seed is None:  # draw as rank 0 did, so that later same calls draw the same seeds
+                        self._rng.getrandbits(32)
                     self._enqueue(e[1], list(e[2]), e[3], e[4], None)
                 else:
                     self._abort(e[1])
