@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_min", "check_process_group", "local_kv_heads", "tp_group", "tp_size"]
+__all__ = ["all_min", "broadcast_from_first", "check_process_group", "exchange", "host_group", "local_kv_heads",
+           "tp_group", "tp_size"]
 
 
 def check_process_group(process_group):
@@ -37,6 +38,36 @@ def all_min(values: list[int], process_group, device: torch.device) -> list[int]
     t = torch.tensor(values, dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group)
     return t.tolist()
+
+
+def host_group(process_group):
+    """A gloo group over the ranks of ``process_group`` (itself if it is gloo already): for what the host decides
+    (admission, the engine's per-step exchange), so that those collectives run on the host and never wait for the
+    device, as an NCCL collective read back on the host would. Only the group's ranks call it."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(process_group)):
+        return process_group
+    return dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo",
+                          use_local_synchronization=True)
+
+
+def exchange(obj, process_group) -> list:
+    """Every rank's ``obj`` (picklable), in group rank order, on every rank: a collective."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
+
+
+def broadcast_from_first(obj, process_group):
+    """The group's first rank's ``obj`` (picklable), on every rank (the others pass anything): a collective."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, group=process_group, group_src=0)
+    return box[0]
 
 
 def _tp_mesh(model):

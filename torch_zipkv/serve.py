@@ -10,6 +10,11 @@ requests of ``--prompt-len`` random tokens, each generating exactly ``--gen-len`
 Poisson process of ``--arrival-rate`` requests/s (``inf``: all at once). A progress bar shows tokens/s, the running
 batch, the queue, the KV ratio and the free KV memory; ``--out`` writes one JSON line per request (time to first
 token, time per output token, tokens); the summary goes to stdout.
+
+Tensor parallelism: ``torchrun --nproc-per-node N -m torch_zipkv.serve --model DIR ...`` (or ``--tp N``, which
+starts that torchrun itself) loads the model with transformers' ``tp_plan="auto"`` on every rank and serves the load
+with one engine per rank; rank 0 decides when requests arrive, and only rank 0 shows the progress bar, prints the
+summary and writes ``--out``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import random
 import sys
@@ -25,13 +31,19 @@ import time
 import numpy as np
 import torch
 
+from .distributed import broadcast_from_first
 from .engine import Engine, SamplingParams
 
 
-def load_model(path: str | None, device: str):
-    """(model, tokenizer): a local transformers directory or GGUF file, or the shipped SmolLM2 when None."""
+def load_model(path: str | None, device: str, *, tp: bool = False):
+    """(model, tokenizer): a local transformers directory or GGUF file, or the shipped SmolLM2 when None. ``tp``:
+    shard it across the ranks of ``torchrun`` with transformers' ``tp_plan="auto"`` (each rank on its own device)."""
+    import warnings
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if path is None and tp:
+        raise ValueError("--model is required under tensor parallelism (a transformers directory or a .gguf file)")
     if path is None:
         import copy
 
@@ -47,7 +59,12 @@ def load_model(path: str | None, device: str):
         kw = {}
     else:
         raise ValueError(f"--model must be a transformers model directory or a .gguf file, got {path!r}")
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16, **kw).to(device).eval()
+    if tp:
+        with warnings.catch_warnings():  # tp_plan= directly: deprecated in transformers 5.24, the only spelling in 5.17
+            warnings.simplefilter("ignore", FutureWarning)
+            model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16, tp_plan="auto", **kw).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16, **kw).to(device).eval()
     try:
         tok = AutoTokenizer.from_pretrained(p, **kw)
     except (OSError, ValueError):
@@ -91,22 +108,32 @@ def requests_from_args(args, tokenizer, vocab: int) -> list[dict]:
 
 def serve(engine: Engine, reqs: list[dict], *, progress: bool = True) -> tuple[list[dict], dict]:
     """Feed ``reqs`` to ``engine`` at their arrival times and step it until all finish. Returns one result per request
-    and the run's summary."""
+    and the run's summary.
+
+    Under tensor parallelism every rank calls this with the same ``reqs``: rank 0 reads the clock and says how many
+    requests have arrived (the one decision that could differ between ranks), then every rank adds them and steps."""
     from tqdm import tqdm
 
+    group = engine.process_group
     t0 = time.perf_counter()
     pending = sorted(range(len(reqs)), key=lambda i: reqs[i]["arrival"])
     by_id, results = {}, [None] * len(reqs)
     first, ratios, generated = {}, [], 0
     bar = tqdm(total=len(reqs), unit="req", disable=not progress, dynamic_ncols=True)
     while pending or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while pending and reqs[pending[0]]["arrival"] <= now:
-            i = pending.pop(0)
+        arrived = 0
+        if engine.rank == 0:
+            now = time.perf_counter() - t0
+            if not engine.has_unfinished():  # idle until the next arrival
+                time.sleep(max(0.0, reqs[pending[0]]["arrival"] - now))
+                now = time.perf_counter() - t0
+            while arrived < len(pending) and reqs[pending[arrived]]["arrival"] <= now:
+                arrived += 1
+        if group is not None:
+            arrived = broadcast_from_first(arrived, group)
+        for i in pending[:arrived]:
             by_id[engine.add_request(reqs[i]["prompt"], reqs[i]["params"])] = i
-        if not engine.has_unfinished():  # idle until the next arrival
-            time.sleep(max(0.0, reqs[pending[0]]["arrival"] - now))
-            continue
+        del pending[:arrived]
         outs = engine.step()
         now = time.perf_counter() - t0
         for out in outs:
@@ -170,19 +197,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write one JSON line per request here")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel ranks: starts torchrun --nproc-per-node TP (or run under torchrun)")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "prompt_len", "gen_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.arrival_rate > 0:
         parser.error("--arrival-rate must be > 0")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is not None:
+        if args.tp < 1:
+            parser.error("--tp must be >= 1")
+        if "WORLD_SIZE" in os.environ and world != args.tp:
+            parser.error(f"--tp {args.tp} under torchrun with {world} processes: give the same number, or leave "
+                         "--tp out")
+        if args.tp > 1 and "WORLD_SIZE" not in os.environ:
+            return _launch(args.tp, sys.argv[1:] if argv is None else argv)
+    tp = world > 1
+    rank = int(os.environ.get("RANK", "0"))
 
-    model, tok = load_model(args.model, args.device)
+    model, tok = load_model(args.model, args.device, tp=tp)
     engine = Engine(model, max_kv_bytes=args.max_kv_bytes, memory_fraction=args.memory_fraction,
                     compress=not args.no_compress, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                     cuda_graphs=not args.no_cuda_graphs, tokenizer=tok, seed=args.seed)
     reqs = requests_from_args(args, tok, model.config.get_text_config().vocab_size)
-    results, summary = serve(engine, reqs, progress=not args.no_progress)
+    results, summary = serve(engine, reqs, progress=not args.no_progress and rank == 0)
+    if rank != 0:  # rank 0 reports for all (every rank served the same requests)
+        return summary
     if args.out:
         with open(args.out, "w") as f:
             for r in results:
@@ -194,6 +236,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"largest batch {summary['largest_batch']}, KV stored/raw {summary['kv_ratio_mean']:.3f} (mean over steps), "
           f"KV budget {summary['kv_bytes_total'] / 2**20:.0f} MiB, {'compressed' if not args.no_compress else 'raw'}")
     return summary
+
+
+def _launch(tp: int, argv: list[str]) -> dict:
+    """``--tp N`` outside torchrun: run this CLI under ``torchrun --standalone --nproc-per-node N`` and wait."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
+           "-m", "torch_zipkv.serve", *argv]
+    proc = subprocess.run(cmd)
+    if proc.returncode:
+        raise SystemExit(proc.returncode)
+    return {"tp": tp, "returncode": 0}
 
 
 if __name__ == "__main__":

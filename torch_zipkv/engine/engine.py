@@ -3,15 +3,18 @@ on CUDA), sampling on the device and tokens read back one step late. docs/engine
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import deque
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..cache import CacheFullError, CompressedPagedKVCache
-from ..integrations.transformers import _sliding_windows, cache_kwarg, enable
+from ..distributed import check_process_group, exchange, host_group, tp_group
+from ..integrations.transformers import cache_kwarg, enable, kv_geometry
 from ..upload import Uploader
 from .attention import EngineCache
 from .decode_graphs import DecodeGraphs
@@ -49,6 +52,11 @@ class Engine:
     :class:`~torch_zipkv.CompressedPagedKVCache`.
 
     ``model`` is switched to the "zipkv" attention in place (``torch_zipkv.enable``); it must be bfloat16.
+
+    Under tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``) every rank builds an engine
+    over its shard and runs the same steps: the cache holds the rank's KV heads and agrees on what fits with the other
+    ranks, and each :meth:`step` first brings rank 0's :meth:`add_request` and :meth:`abort` calls to every rank
+    (docs/engine.md, "Tensor parallelism").
 
     Args:
         max_kv_bytes / memory_fraction: the KV cache's budget (bytes, or a fraction of the free GPU memory after the
@@ -103,12 +111,15 @@ class Engine:
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
         self.max_model_len = getattr(config, "max_position_embeddings", None)
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.kv = CompressedPagedKVCache(config.num_hidden_layers, num_kv_heads, head_dim, page_size=page_size,
+        num_layers, num_kv_heads, head_dim, windows = kv_geometry(model)  # this rank's KV heads under TP
+        # Under tensor parallelism: the ranks' host-side group (gloo), for the cache's agreement on what fits and the
+        # per-step exchange; host collectives never wait for the device. None for a model that is not sharded.
+        tp = tp_group(model)
+        self._group = None if tp is None else check_process_group(host_group(tp))
+        self.rank = 0 if self._group is None else dist.get_rank(self._group)
+        self.kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size,
                                          max_bytes=max_kv_bytes, memory_fraction=memory_fraction,
-                                         device=self.device, sliding_window=_sliding_windows(config),
+                                         device=self.device, sliding_window=windows, process_group=self._group,
                                          **({} if kv_chunk_bytes is None else {"chunk_bytes": kv_chunk_bytes}))
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
         self.hf_cache = EngineCache(self.kv)
@@ -145,6 +156,10 @@ class Engine:
         self._largest_batch = 0
         self._generated = 0
         self._prefilled = 0
+        # Tensor parallelism: this rank's add_request / abort calls since the last step, and a digest of its state
+        # after the last step (_sync_ranks).
+        self._log: list[tuple] = []
+        self._state_digest = b""
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *,
@@ -173,12 +188,18 @@ class Engine:
             params_seed = self._rng.getrandbits(32)
         else:
             params_seed = seed32(params.seed)
-        req = _Request(self._next_id, prompt, params, kv_source)
-        self._next_id += 1
-        self._seed_of[req.rid] = params_seed
-        self._requests[req.rid] = req
+        rid = self._next_id
+        self._enqueue(rid, prompt, params, params_seed, kv_source)
+        if self._group is not None:
+            self._log.append(("add", rid, tuple(prompt), params, params_seed, kv_source is not None))
+        return rid
+
+    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source) -> None:
+        req = _Request(rid, prompt, params, kv_source)
+        self._next_id = rid + 1
+        self._seed_of[rid] = seed
+        self._requests[rid] = req
         self._waiting.append(req)
-        return req.rid
 
     def abort(self, request_id: int) -> bool:
         """Stop a request (waiting or running). Its last :class:`RequestOutput` (finish reason "abort") comes with
@@ -187,6 +208,11 @@ class Engine:
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
         if not 0 <= request_id < self._next_id:
             raise KeyError(f"no request with id {request_id}")
+        if self._group is not None:
+            self._log.append(("abort", int(request_id)))
+        return self._abort(request_id)
+
+    def _abort(self, request_id: int) -> bool:
         req = self._requests.get(request_id)
         if req is None or req.state == "finished":
             return False
@@ -208,7 +234,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step: admit what fits, run one decode step for the running batch and up to ``prefill_chunk``
         prompt tokens of the requests being prefilled, and report the tokens of the step before (read back one step
-        late, so the host plans this step while the device runs the last)."""
+        late, so the host plans this step while the device runs the last). Under tensor parallelism a collective: every
+        rank calls it."""
+        if self._group is not None:
+            self._sync_ranks()
         self._steps += 1
         if self.compress and self._steps % self.compress_every == 0:
             self.kv.compress_full_pages(wait=False)
@@ -223,7 +252,62 @@ class Engine:
         self._in_flight = self._launch_readback(launched)
         if previous is not None:
             self._read_back(previous)
-        return self._report()
+        outs = self._report()
+        if self._group is not None:
+            self._state_digest = self._state_of(outs)
+        return outs
+
+    # ---- tensor parallelism -----------------------------------------------------------------------------------
+    @property
+    def process_group(self):
+        """The ranks' host (gloo) group under tensor parallelism, else None."""
+        return self._group
+
+    def _sync_ranks(self) -> None:
+        """Bring rank 0's add_request / abort calls since the last step to every rank, and check that the ranks
+        agree. One host collective (gloo) per step, no device sync.
+
+        Rank 0 sends its calls; every other rank sends a digest of its own calls: a rank that made none replays
+        rank 0's (a rank that only steps: aborts from rank 0, requests arriving at rank 0), one that made them must
+        have made the same. Every rank also sends a digest of its state after the last step (requests admitted,
+        their progress, the tokens reported). Everything else is identical by construction (admission through the
+        cache's agreed capacity, sampling on the same logits with the same seeds), so a difference is a bug; every
+        rank raises the same error rather than one rank leaving the others waiting in a collective."""
+        log, self._log = self._log, []
+        mine = log if self.rank == 0 else (_digest(log) if log else None)
+        got = exchange((self._state_digest, mine), self._group)
+        events = got[0][1]
+        diverged = [r for r, (state, _) in enumerate(got) if state != got[0][0]]
+        if diverged:
+            raise RuntimeError(f"tensor-parallel ranks {diverged} disagree with rank 0 on the engine's state after step "
+                               f"{self._steps} (requests admitted, tokens sampled); the ranks must run the same model "
+                               "and engine arguments, with every rank calling step()")
+        want = _digest(events)
+        differ = [r for r, (_, calls) in enumerate(got[1:], 1) if calls is not None and calls != want]
+        if differ:
+            raise RuntimeError(f"ranks {differ} called add_request / abort differently from rank 0 before step "
+                               f"{self._steps + 1}: under tensor parallelism a rank other than 0 makes the same calls "
+                               "as rank 0 or none (it then follows rank 0's)")
+        followers = [r for r, (_, calls) in enumerate(got[1:], 1) if calls is None]
+        injected = [e[1] for e in events if e[0] == "add" and e[5]]
+        if followers and injected:
+            raise RuntimeError(f"requests {injected} were added on rank 0 with a kv_source, which ranks {followers} "
+                               "cannot replay: each rank must add such a request with its own kv_source")
+        if self.rank != 0 and not log:
+            for e in events:
+                if e[0] == "add":
+                    if e[3].seed is None:  # draw as rank 0 did, so that later same calls draw the same seeds
+                        self._rng.getrandbits(32)
+                    self._enqueue(e[1], list(e[2]), e[3], e[4], None)
+                else:
+                    self._abort(e[1])
+
+    def _state_of(self, outs: list[RequestOutput]) -> bytes:
+        """What every rank must agree on after a step: the requests waiting and running with their progress, and
+        the tokens this step reported."""
+        running = tuple((r.rid, r.state, r.prefilled, r.launched, len(r.tokens)) for r in self._running)
+        reported = tuple((o.request_id, tuple(o.new_token_ids), o.finish_reason) for o in outs)
+        return _digest((self._steps, self._next_id, tuple(r.rid for r in self._waiting), running, reported))
 
     # ---- admission ----------------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -500,3 +584,8 @@ class Engine:
             req.slot = None
         if req in self._running:
             self._running.remove(req)
+
+
+def _digest(value) -> bytes:
+    """A short digest of ``value`` (ints, strs, tuples, SamplingParams: their repr is the same in every process)."""
+    return hashlib.blake2b(repr(value).encode(), digest_size=16).digest()

@@ -159,12 +159,7 @@ class ZipKVCache(Cache):
         whole heads per rank), and agrees on what fits with the other ranks over ``process_group``: by default the
         model's tensor-parallel group (see :class:`~torch_zipkv.CompressedPagedKVCache`).
         """
-        config = model.config.get_text_config()
-        num_layers = config.num_hidden_layers
-        windows = _sliding_windows(config)
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        num_kv_heads = local_kv_heads(model, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
+        num_layers, num_kv_heads, head_dim, windows = kv_geometry(model)
         if process_group is None:
             process_group = tp_group(model)
         if device is None:
@@ -310,6 +305,17 @@ class ZipKVCache(Cache):
             keep = real[row]
             # [H, L, D] -> [n, H, D], real tokens only
             self.kv.append(layer, sid, key[row][:, keep].transpose(0, 1), value[row][:, keep].transpose(0, 1))
+
+
+def kv_geometry(model) -> tuple[int, int, int, list[int | None]]:
+    """What a KV cache for ``model`` holds on this rank: ``(num_layers, num_kv_heads, head_dim, sliding_window)``,
+    from its text config, with this rank's share of the KV heads under tensor parallelism
+    (:func:`~torch_zipkv.distributed.local_kv_heads`) and one sliding window (or None) per layer."""
+    config = model.config.get_text_config()
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads = local_kv_heads(model, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
+    return config.num_hidden_layers, num_kv_heads, head_dim, _sliding_windows(config)
 
 
 def _sliding_windows(config) -> list[int | None]:

@@ -1,0 +1,154 @@
+"""One rank of test_engine_tp.py's tensor-parallel run: ``torchrun --nproc-per-node 2 engine_tp_worker.py MODELS OUT``.
+
+Loads the tiny Llama that test_engine_tp.py saved with ``from_pretrained(..., tp_plan="auto")`` (gloo on CPU), runs
+every scenario of the serving engine and writes what this rank saw to ``OUT/rank{r}.json``. A scenario's exception
+is recorded, not raised, so the other scenarios still run on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from torch_zipkv import CompressedPagedKVCache, serve
+from torch_zipkv.engine import Engine, SamplingParams
+
+from tp_worker import load
+
+NEW = 12
+KV = dict(max_kv_bytes=256 << 10, kv_chunk_bytes=4096)  # 1 KV head per rank: a raw page of a layer is 4 KiB
+
+
+def prompts() -> list[list[int]]:
+    """40, 27, 33 and 40 tokens: several 16-token prefill chunks each, and pages that fill and compress. Seeds chosen
+    so that the reference's greedy choices are clear (test_engine_tp.py checks it)."""
+    return [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+            for n, seed in ((40, 112), (27, 113), (33, 114), (40, 120))]
+
+
+def outputs(outs) -> list:
+    return [[o.request_id, o.new_token_ids, o.finished, o.finish_reason] for o in outs]
+
+
+def staggered(models, rank):
+    """Every rank makes the same calls: requests arrive at steps 0, 2, 2 and 5, prefilled in chunks of 16."""
+    eng = Engine(load(models + "/llama"), prefill_chunk=16, compress_every=2, **KV)
+    ps = prompts()
+    arrivals = {0: [0], 2: [1, 2], 5: [3]}
+    log, kv, step = [], [], 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for i in arrivals.get(step, []):
+            assert eng.add_request(ps[i], SamplingParams(max_new_tokens=NEW)) == i
+        log.append(outputs(eng.step()))
+        s = eng.stats()
+        kv.append([s["kv_bytes_stored"], s["kv_bytes_raw"]])
+        step += 1
+    return {"log": log, "kv": kv, "kv_heads": eng.kv.num_kv_heads, "group": eng.process_group is not None,
+            "largest_batch": eng.stats()["largest_batch"], "cuda_graphs": eng.stats()["cuda_graphs"]}
+
+
+def follower(models, rank):
+    """Only rank 0 adds requests and aborts; rank 1 only steps, and replays rank 0's calls. Request 1 is aborted
+    while running, request 3 while waiting (max_batch 2)."""
+    eng = Engine(load(models + "/llama"), prefill_chunk=16, max_batch=2, **KV)
+    ps = prompts()
+    log, aborts = [], {}
+    for step in range(10):
+        if rank == 0:
+            if step in (0, 1):
+                for i in ((0, 1) if step == 0 else (2, 3)):
+                    eng.add_request(ps[i], SamplingParams(max_new_tokens=NEW))
+            if step == 8:
+                aborts = {"running": eng.abort(1), "waiting": eng.abort(3)}
+        log.append(outputs(eng.step()))
+    while eng.has_unfinished():
+        log.append(outputs(eng.step()))
+    # Then every rank makes the same call: a sampled request without a seed draws the same seed on every rank.
+    sampled = eng.generate([ps[1]], SamplingParams(max_new_tokens=6, temperature=1.0))[0].token_ids
+    return {"log": log, "aborts": aborts, "sampled": sampled}
+
+
+def admission(models, rank):
+    """Rank 1 has room for one request at a time, rank 0 for all four: every rank admits as rank 1 can."""
+    budget = 256 << 10 if rank == 0 else 48 << 10
+    eng = Engine(load(models + "/llama"), max_kv_bytes=budget, kv_chunk_bytes=4096, prefill_chunk=16)
+    alone = CompressedPagedKVCache(2, 1, 64, max_bytes=budget, chunk_bytes=4096, device="cpu")
+    out = {"capacity_alone": alone.capacity(40, NEW).requests, "capacity_agreed": eng.kv.capacity(40, NEW).requests}
+    for p in prompts():
+        eng.add_request(p, SamplingParams(max_new_tokens=NEW))
+    running, log = [], []
+    while eng.has_unfinished():
+        log.append(outputs(eng.step()))
+        running.append([r.rid for r in eng._running])
+    out.update(log=log, running=running)
+    return out
+
+
+def mismatch(models, rank):
+    """Ranks that add different requests: every rank raises the same error at the next step (none waits forever)."""
+    eng = Engine(load(models + "/llama"), **KV)
+    eng.add_request(prompts()[rank], SamplingParams(max_new_tokens=2))
+    try:
+        eng.step()
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+def diverged(models, rank):
+    """A rank whose engine state differs from rank 0's (simulated): every rank raises at the next step."""
+    eng = Engine(load(models + "/llama"), **KV)
+    eng.add_request(prompts()[0], SamplingParams(max_new_tokens=4))
+    eng.step()
+    if rank == 1:
+        eng._state_digest = b"not rank 0's"
+    try:
+        eng.step()
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+def serve_load(models, rank, out_dir):
+    """``python -m torch_zipkv.serve``'s main under torchrun: a synthetic load arriving at 100 requests/s."""
+    out = os.path.join(out_dir, "serve.jsonl")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        summary = serve.main(["--model", models + "/llama", "--num-prompts", "5", "--prompt-len", "24",
+                              "--gen-len", "6", "--arrival-rate", "100", "--max-kv-bytes", str(16 << 20),
+                              "--prefill-chunk", "16", "--device", "cpu", "--out", out])
+    return {"summary": summary, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+SCENARIOS = {"staggered": staggered, "follower": follower, "admission": admission, "mismatch": mismatch,
+             "diverged": diverged, "serve": serve_load}
+
+
+def main():
+    models, out_dir, *names = sys.argv[1:]
+    torch.manual_seed(0)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {}
+    for name in names or SCENARIOS:
+        args = (models, rank, out_dir) if name == "serve" else (models, rank)
+        try:
+            result[name] = SCENARIOS[name](*args)
+        except Exception:
+            result[name] = {"exception": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
