@@ -42,3 +42,12 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or decode or forma
 timeout 200 python3 benchmarks/bench_decode.py --out "$OUT" --iters 30 --cases llama:8192:32,llama:2048:64,smollm2:8192:64 2>&1 | tee "$OUT/bench_decode_meta_tag.log"
 
 # commit d3dc1dc: the engine's GPU tests (-> tests_engine_cuda.log) and bench_e2e: ../bench_e2e_h200.sh
+
+# commit 8894700's parent main (d3dc1dc's code) with the serving CLI: a tiny Llama served on CUDA (-> serve_tiny.log);
+# the TP and engine GPU tests that followed in the same call ran past the call's limit and are not here
+python3 -c "import sys; sys.path.insert(0, 'test'); from hf_models import small_model; small_model('llama').save_pretrained('/tmp/tiny-llama')"
+python3 -m torch_zipkv.serve --model /tmp/tiny-llama --num-prompts 64 --prompt-len 200 --gen-len 64 \
+  --arrival-rate 400 --max-kv-bytes $((256 << 20)) --out "$OUT/serve_tiny.jsonl" | tee "$OUT/serve_tiny.log"
+
+# branch wt-v4-dense (0b51780) merged with main: the zero-aware tests (-> tests_zero_aware.log) and benchmarks:
+# ../zero_aware_h200.sh
