@@ -43,7 +43,7 @@ timeout 200 python3 benchmarks/bench_decode.py --out "$OUT" --iters 30 --cases l
 
 # commit d3dc1dc: the engine's GPU tests (-> tests_engine_cuda.log) and bench_e2e: ../bench_e2e_h200.sh
 
-# commit 8894700's parent main (d3dc1dc's code) with the serving CLI: a tiny Llama served on CUDA (-> serve_tiny.log);
+# commit d77c737, the serving CLI: a tiny Llama served on CUDA (-> serve_tiny.log);
 # the TP and engine GPU tests that followed in the same call ran past the call's limit and are not here
 python3 -c "import sys; sys.path.insert(0, 'test'); from hf_models import small_model; small_model('llama').save_pretrained('/tmp/tiny-llama')"
 python3 -m torch_zipkv.serve --model /tmp/tiny-llama --num-prompts 64 --prompt-len 200 --gen-len 64 \
