@@ -15,41 +15,19 @@ from __future__ import annotations
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import ops
 from ..cache import CompressedPagedKVCache
-from ..integrations.transformers import _PENDING, _softcapped_attention
+from ..integrations.transformers import _PENDING, _PagedLayer, _softcapped_attention
 
 
-class _EngineLayer(CacheLayerMixin):
-    """What transformers asks one layer (mask sizes, length). The engine passes ``position_ids`` and the attention
-    builds its own masks, so every answer is a constant: nothing per step for a captured graph to depend on."""
-
-    is_sliding = False
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return key_states, value_states
-
-    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        # transformers 5.24 passes the query length, older versions the cache positions (a tensor)
-        n = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
-        return n, 0
+class _EngineLayer(_PagedLayer):
+    """A layer of :class:`EngineCache`. The engine passes ``position_ids`` and the attention builds its own masks, so
+    every answer is a constant: nothing per step for a captured graph to depend on."""
 
     def get_seq_length(self) -> int:
         return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
 
 
 class EngineCache(Cache):

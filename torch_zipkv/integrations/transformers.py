@@ -64,20 +64,14 @@ ATTN_IMPLEMENTATION = "zipkv"
 _PENDING: list = [None]
 
 
-class _ZipKVLayer(CacheLayerMixin):
-    """What transformers asks one layer of the cache (mask sizes, ``get_seq_length``); the tokens live in the pages.
-
-    No answer is a Python int that changes from one decode step to the next, so a compiled decode step never guards
-    on one (a guard on a per-step int recompiles every step). Before the prefill the cache is empty: length 0. From
-    the prefill on, the length is the owner's device tensor ``positions`` (positions as transformers counts them,
-    pads included), which the step itself advances, as transformers' ``StaticCache`` does.
+class _PagedLayer(CacheLayerMixin):
+    """What transformers asks one layer of a paged cache; the tokens live in the pages, so ``update`` hands the new
+    K/V back untouched and the attention function stores them. The mask spans the new tokens only: a prefill starts
+    from an empty cache (or, in the engine, attends to earlier chunks through its own mask), and a decode step reads
+    its keys from the pages, which hold exactly each sequence's real tokens. No answer depends on the cache's length.
     """
 
     is_sliding = False
-
-    def __init__(self, owner: "ZipKVCache"):
-        super().__init__()
-        self.owner = owner
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -87,20 +81,32 @@ class _ZipKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         return key_states, value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The mask spans the new tokens only. A prefill starts from an empty cache, so that is the whole mask; a
-        # decode step reads its keys from the pages, which hold exactly each sequence's real tokens, and the "zipkv"
-        # mask function builds no mask for it. The answer never depends on the cache's length.
-        return query_length, 0
-
-    def get_seq_length(self):
-        return 0 if self.owner.seq_ids is None else self.owner.positions
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        # transformers 5.24 passes the query length, older versions the cache positions (a tensor)
+        n = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
+        return n, 0
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
         self.is_initialized = False
+
+
+class _ZipKVLayer(_PagedLayer):
+    """A layer of :class:`ZipKVCache`. No answer is a Python int that changes from one decode step to the next, so a
+    compiled decode step never guards on one (a guard on a per-step int recompiles every step). Before the prefill
+    the cache is empty: length 0. From the prefill on, the length is the owner's device tensor ``positions``
+    (positions as transformers counts them, pads included), which the step itself advances, as transformers'
+    ``StaticCache`` does.
+    """
+
+    def __init__(self, owner: "ZipKVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def get_seq_length(self):
+        return 0 if self.owner.seq_ids is None else self.owner.positions
 
 
 class ZipKVCache(Cache):
