@@ -249,10 +249,10 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
             results["zipkv_real_like"]["speedup_vs_flashinfer_same_data"] = (
                 results["flashinfer_tc_real_like"]["us"] / results["zipkv_real_like"]["us"])
         if "decompress_then_flashinfer_real_like" in results:
-            staged = results["decompress_then_flashinfer_real_like"]
-            staged["speedup_vs_best_flashinfer"] = best / staged["us"]
-            real_fused = results["zipkv_real_like"]
-            real_fused["speedup_vs_decompress_then_flashinfer"] = staged["us"] / real_fused["us"]
+            unfused = results["decompress_then_flashinfer_real_like"]
+            unfused["speedup_vs_best_flashinfer"] = best / unfused["us"]
+            results["zipkv_real_like"]["speedup_vs_decompress_then_flashinfer"] = (
+                unfused["us"] / results["zipkv_real_like"]["us"])
         real = results["zipkv_real_like"]
         # Bar: speedup >= 0.95 x (raw bytes / compressed bytes).
         real["ideal_speedup"] = raw_bytes / real["bytes_read"]
