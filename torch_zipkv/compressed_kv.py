@@ -17,8 +17,8 @@ class CompressedKV:
 
     ``data`` (uint8 [nbytes]) holds the streams back to back; ``meta`` (int32 [num_pages, 2, num_kv_heads, W]) has
     one row per (page, K|V, kv head): the stream's offset, a tag with the geometry it was written with, and one
-    descriptor per block. Build one with
-    :func:`compress`; page ``i`` of the input is meta row ``i`` and ``kv_indices`` entries refer to these ids.
+    descriptor per block. Build one with :func:`compress`; page ``i`` of the input is meta row ``i`` and
+    ``kv_indices`` entries refer to these ids.
     Construction checks the fields' types (TypeError) and shapes (ValueError); :meth:`validate` checks the contents.
     """
 
