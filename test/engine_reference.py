@@ -27,7 +27,9 @@ class Reference:
         if key not in self.memo or len(self.memo[key][0]) < new_tokens:
             model = self.model
             before = model.config._attn_implementation
-            model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+            # SDPA has no logit soft cap: transformers 5.17 still lets Gemma 2 run SDPA without its cap
+            capped = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+            model.set_attn_implementation("sdpa" if model._supports_sdpa and not capped else "eager")
             try:
                 ids = torch.tensor([prompt], device=model.device)
                 # No EOS: the engine stops only at the request's stop tokens, and min_new_tokens would mask EOS's

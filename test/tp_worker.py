@@ -20,6 +20,7 @@ import transformers
 
 import torch_zipkv
 from torch_zipkv import CacheFullError, CompressedPagedKVCache, ZipKVCache
+from torch_zipkv.integrations.transformers import cache_kwarg
 
 NEW = 12  # tokens generated per prompt: the longer prompt crosses a page boundary
 
@@ -53,7 +54,8 @@ def generate(models, rank, world):
     out["kv_heads"] = cache.kv.num_kv_heads
     out["agrees"] = cache.kv.process_group is not None
     out["capacity_before"] = caps(cache.kv, 40, NEW)
-    out["hf_generate"] = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW,
+    cache_kw = {cache_kwarg(model): cache}
+    out["hf_generate"] = model.generate(ids, attention_mask=mask, **cache_kw, max_new_tokens=NEW,
                                         do_sample=False).tolist()
     cache.kv.compress_full_pages()  # places the last round (on CPU, the round a call starts is placed by the next)
     stats = cache.stats()
@@ -85,15 +87,16 @@ def refusal(models, rank, world):
                                                                                    max_length=40 + NEW))
     out["capacity_alone"] = caps(alone, 40, NEW)
     out["capacity_agreed"] = caps(cache.kv, 40, NEW)
+    cache_kw = {cache_kwarg(model): cache}
     try:
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False)
+        model.generate(ids, attention_mask=mask, **cache_kw, max_new_tokens=NEW, do_sample=False)
         out["batch_of_2"] = "admitted"
     except CacheFullError as e:
         out["batch_of_2"] = "refused"
         out["message"] = str(e)
     out["sequences_after_refusal"] = cache.stats()["sequences"]
     # One prompt fits every rank: the same cache then runs it.
-    out["batch_of_1"] = model.generate(ids[:1], attention_mask=mask[:1], cache=cache, max_new_tokens=NEW,
+    out["batch_of_1"] = model.generate(ids[:1], attention_mask=mask[:1], **cache_kw, max_new_tokens=NEW,
                                        do_sample=False).tolist()
     return out
 

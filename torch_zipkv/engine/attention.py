@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import ops
 from ..cache import CompressedPagedKVCache
-from ..integrations.transformers import _PENDING, _PagedLayer, _softcapped_attention
+from ..integrations.transformers import _PagedLayer, _softcapped_attention, hand_to_attention
 
 
 class _EngineLayer(_PagedLayer):
@@ -51,12 +51,7 @@ class EngineCache(Cache):
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        forward_kwargs = kwargs.get("kwargs")
-        if isinstance(forward_kwargs, dict):
-            forward_kwargs["zipkv_cache"] = self
-            _PENDING[0] = None
-        else:  # transformers before ~5.20 pass update no kwargs (see the integration)
-            _PENDING[0] = (self, layer_idx)
+        hand_to_attention(self, layer_idx, key_states, kwargs)
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -64,6 +64,20 @@ ATTN_IMPLEMENTATION = "zipkv"
 _PENDING: list = [None]
 
 
+def hand_to_attention(cache, layer_idx: int, key_states: torch.Tensor, update_kwargs: dict) -> None:
+    """Called by a paged cache's ``update``: makes ``cache`` the one that this layer's "zipkv" attention call uses.
+    transformers 5.20 on pass ``update`` the forward's kwargs, which reach the attention function: the cache goes
+    there. Before, ``update`` gets no kwargs: the cache waits in ``_PENDING`` for this layer's attention call, which
+    receives these very key states (a forward that raised in between must not hand the cache to a later, unrelated
+    call: the tensor's identity tells them apart)."""
+    forward_kwargs = update_kwargs.get("kwargs")
+    if isinstance(forward_kwargs, dict):
+        forward_kwargs["zipkv_cache"] = cache
+        _PENDING[0] = None
+    else:
+        _PENDING[0] = (cache, layer_idx, key_states)
+
+
 class _PagedLayer(CacheLayerMixin):
     """What transformers asks one layer of a paged cache; the tokens live in the pages, so ``update`` hands the new
     K/V back untouched and the attention function stores them. The mask spans the new tokens only: a prefill starts
@@ -194,7 +208,6 @@ class ZipKVCache(Cache):
         """Hand this cache to the attention function (through the attention module's kwargs) and return ``k, v``
         unchanged: the "zipkv" attention appends them to the pages. Layer 0 advances ``positions`` and, on a decode
         step that :meth:`begin_step` did not plan yet, plans it (eager use, ``model.generate``)."""
-        forward_kwargs = kwargs.get("kwargs")
         if layer_idx == 0:
             if self.touched and self.seq_ids is None:
                 raise RuntimeError(
@@ -208,11 +221,7 @@ class ZipKVCache(Cache):
             self.positions.add_(key_states.shape[-2])
             if self.seq_ids is not None and key_states.shape[-2] == 1 and not self.planned:
                 self.begin_step()
-        if isinstance(forward_kwargs, dict):
-            forward_kwargs["zipkv_cache"] = self
-            _PENDING[0] = None
-        else:  # transformers before ~5.20 pass update no kwargs: leave the cache for this layer's attention call
-            _PENDING[0] = (self, layer_idx)
+        hand_to_attention(self, layer_idx, key_states, kwargs)
         return self.layers[layer_idx].update(key_states, value_states)
 
     def begin_step(self) -> None:
@@ -372,8 +381,10 @@ def zipkv_attention_forward(module, query, key, value, attention_mask, dropout: 
     """transformers attention function "zipkv": decode from the compressed pages of the ``ZipKVCache`` that
     :meth:`ZipKVCache.update` put in ``kwargs``; plain SDPA when there is none."""
     pending = _PENDING[0]
-    if zipkv_cache is None and pending is not None and pending[1] == module.layer_idx:
-        zipkv_cache, _PENDING[0] = pending[0], None
+    if zipkv_cache is None and pending is not None:
+        _PENDING[0] = None
+        if pending[1] == module.layer_idx and pending[2] is key:
+            zipkv_cache = pending[0]
     if zipkv_cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, softcap=softcap, **kwargs)
