@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
-import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 
 from torch_zipkv import CompressedPagedKVCache, serve
 from torch_zipkv.engine import Engine, SamplingParams
 
-from tp_worker import load
+from tp_worker import load, run_scenarios
 
 NEW = 12
 KV = dict(max_kv_bytes=256 << 10, kv_chunk_bytes=4096)  # 1 KV head per rank: a raw page of a layer is 4 KiB
@@ -132,22 +128,8 @@ SCENARIOS = {"staggered": staggered, "follower": follower, "admission": admissio
 
 
 def main():
-    models, out_dir, *names = sys.argv[1:]
-    torch.manual_seed(0)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    result = {}
-    for name in names or SCENARIOS:
-        args = (models, rank, out_dir) if name == "serve" else (models, rank)
-        try:
-            result[name] = SCENARIOS[name](*args)
-        except Exception:
-            result[name] = {"exception": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_scenarios(SCENARIOS, lambda fn, name, models, out_dir, rank:
+                  fn(models, rank, out_dir) if name == "serve" else fn(models, rank))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ more than 2% of its logit (several bf16 steps), checked first, so equal tokens m
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +25,9 @@ if not dist.is_available():
 from torch_zipkv.engine import Engine, SamplingParams  # noqa: E402
 
 import engine_tp_worker as worker  # noqa: E402
-from test_tp import save_model  # noqa: E402
+from test_tp import launch_2_ranks, rank_env, save_model  # noqa: E402
 
 HERE = Path(__file__).parent
-
-
-def _env() -> dict:
-    # CPU and gloo everywhere: on a GPU machine transformers would bind each rank to a GPU of its own.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +37,7 @@ def run(tmp_path_factory):
     models, out = root / "models", root / "out"
     out.mkdir()
     save_model(models / "llama", 3)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "engine_tp_worker.py"), str(models), str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return models, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return models, out, launch_2_ranks("engine_tp_worker.py", models, out)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +148,7 @@ def test_serve_tp_flag_starts_torchrun(run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch_zipkv.serve", "--tp", "2", "--model", str(run[0] / "llama"),
                            "--num-prompts", "3", "--prompt-len", "20", "--gen-len", "4", "--device", "cpu",
                            "--max-kv-bytes", str(16 << 20), "--no-progress", "--out", str(out)],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+                          env=rank_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["output_len"] for r in rows] == [4, 4, 4]

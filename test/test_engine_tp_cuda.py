@@ -4,10 +4,6 @@ skipped without 2 GPUs."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +12,7 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 import test_engine_tp as cpu  # noqa: E402
-from test_engine_tp import HERE, save_model  # noqa: E402
+from test_tp import launch_2_ranks, save_model  # noqa: E402
 
 SCENARIOS = ["staggered", "follower"]
 
@@ -27,13 +23,7 @@ def run(tmp_path_factory):
     models, out = root / "models", root / "out"
     out.mkdir()
     save_model(models / "llama", 3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0,1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "engine_tp_worker.py"), str(models), str(out), *SCENARIOS]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return models, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return models, out, launch_2_ranks("engine_tp_worker.py", models, out, *SCENARIOS, gpus="0,1")
 
 
 reference = cpu.reference  # the CPU reference: every choice leads by > 2%, more than a GPU's different rounding moves

@@ -42,6 +42,22 @@ def save_model(path: Path, seed: int, **overrides) -> None:
     model.save_pretrained(path)
 
 
+def rank_env(gpus: str = "") -> dict:
+    """The environment of a rank process. CPU and gloo by default: on a GPU machine transformers would bind each rank
+    to a GPU of its own."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": gpus,
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def launch_2_ranks(worker: str, models: Path, out: Path, *args: str, gpus: str = "") -> list[dict]:
+    """Runs test/<worker> on 2 ranks under torchrun; returns each rank's record (out/rank<r>.json)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / worker), str(models), str(out), *args]
+    proc = subprocess.run(cmd, env=rank_env(gpus), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     """(models dir, [rank 0's record, rank 1's record]) of one 2-rank launch of every scenario."""
@@ -50,14 +66,7 @@ def tp_run(tmp_path_factory):
     out.mkdir()
     save_model(models / "llama", 3)  # 2 KV heads: 1 per rank
     save_model(models / "uneven", 0, hidden_size=384, num_attention_heads=6, num_key_value_heads=3)  # 1.5 per rank
-    # CPU and gloo everywhere: on a GPU machine transformers would bind each rank to a GPU of its own.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "tp_worker.py"), str(models), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return models, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return models, launch_2_ranks("tp_worker.py", models, out)
 
 
 def scenario(tp_run, name: str) -> list[dict]:

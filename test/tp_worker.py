@@ -137,23 +137,28 @@ def uneven(models, rank, world):
 SCENARIOS = {"generate": generate, "compiled": compiled, "refusal": refusal, "growth": growth, "uneven": uneven}
 
 
-def main():
+def run_scenarios(scenarios: dict, call) -> None:
+    """The worker's main: argv is ``models out_dir [scenario ...]`` (all by default); ``call(fn, name, models, out_dir,
+    rank)`` runs one scenario; each rank writes its records (or a scenario's traceback) to ``out_dir/rank<r>.json``."""
     models, out_dir, *names = sys.argv[1:]
     torch.manual_seed(0)
     if not dist.is_initialized():  # transformers starts it when it loads a model; a scenario may come first
         dist.init_process_group("gloo")
+    rank = dist.get_rank()
     result = {}
-    for name in names or SCENARIOS:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for name in names or scenarios:
         try:
-            result[name] = SCENARIOS[name](models, rank, world)
+            result[name] = call(scenarios[name], name, models, out_dir, rank)
         except Exception:
             result[name] = {"exception": traceback.format_exc()}
-    rank = dist.get_rank()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def main():
+    run_scenarios(SCENARIOS, lambda fn, name, models, out_dir, rank: fn(models, rank, dist.get_world_size()))
 
 
 if __name__ == "__main__":
