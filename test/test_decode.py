@@ -28,7 +28,7 @@ def run_case(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None, **kw):
 def test_matches_float64_reference_mixed_pages(gen, head_dim, group):
     heads = 2
     kv = random_kv(24, 16, heads, head_dim, gen)
-    kv[kv.abs() < 1e-3] = 0.0  # exact zeros, as BF16 RoPE makes: some blocks stay raw
+    kv[kv.abs() < 1e-3] = 0.0  # exact zeros, as BF16 RoPE makes: some blocks zero-aware
     raw_pages = torch.rand(24, generator=gen) < 0.4
     seq_lens = [1, 16, 17, 45, 100]  # 1-token request, full page, partial last pages
     out, lse, ref, ref_lse = run_case(kv, raw_pages, seq_lens, heads * group, gen)

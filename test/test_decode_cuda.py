@@ -66,9 +66,9 @@ def test_larger_pages_count_raw_blocks_before_the_tile(gen, page_size, head_dim)
 
 @pytest.mark.parametrize("head_dim, group", [(64, 3), (64, 12), (128, 4), (128, 16), (256, 2)])
 def test_every_raw_block_pattern_of_a_stream(gen, head_dim, group):
-    """Every pattern of raw and compressed blocks inside one K or V stream (an exact zero keeps its block raw), each
-    stream with its own: the kernel rebuilds mixed streams by pattern (docs/decode-kernel.md, v12), so each pattern is
-    a code path of its own."""
+    """Every pattern of raw and compressed blocks inside one K or V stream (a value far below the others keeps its
+    block raw), each stream with its own: the kernel rebuilds mixed streams by pattern (docs/decode-kernel.md, v12), so
+    each pattern is a code path of its own."""
     blocks, heads = head_dim // 32, 2
     patterns = 2**blocks
     n = max(8, patterns // heads)
@@ -81,7 +81,7 @@ def test_every_raw_block_pattern_of_a_stream(gen, head_dim, group):
                 for c in range(blocks):
                     if mask >> c & 1:
                         token, dim = torch.randint(16, (2,), generator=gen).tolist()
-                        kv[p, s, token, h, 32 * c + 2 * dim] = 0.0
+                        kv[p, s, token, h, 32 * c + 2 * dim] = 1e-30  # far below the block's window
                         want[p, s, h, c] = True
     ckv = store(kv)
     raw = ckv.descriptors()[..., :blocks] == fmt.DESC_RAW

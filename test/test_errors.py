@@ -127,7 +127,7 @@ def test_decode_plan_is_a_cuda_query(setup):
     (lambda m: m[..., 0].fill_(-1), "holds no stream"),
     (lambda m: m[..., 0].fill_(10**6), "points past the end of data"),
     (lambda m: m[..., 2].fill_(0x000000FF), "has an invalid block descriptor"),
-    (lambda m: m[..., 1].fill_(0x00000080), "is not a row of format version 4"),  # a version-3 row's word 1
+    (lambda m: m[..., 1].fill_(0x00000080), "is not a row of format version 5"),  # a version-3 row's word 1
 ])
 def test_corrupted_meta_is_detected_everywhere(setup, corrupt, message):
     kv, ckv, q, indptr, indices, last = setup

@@ -20,8 +20,8 @@ def T(*xs):
 
 
 def tag_bytes(page_size: int, head_dim: int) -> list[int]:
-    """The tag as docs/FORMAT.md states it, little-endian bytes: head_dim / 32, page_size / 16, 0x80 | 4, 'Z'."""
-    return [head_dim // 32, page_size // 16, 0x84, 0x5A]
+    """The tag as docs/FORMAT.md states it, little-endian bytes: head_dim / 32, page_size / 16, 0x80 | 5, 'Z'."""
+    return [head_dim // 32, page_size // 16, 0x85, 0x5A]
 
 
 def word_bytes(word: int) -> list[int]:
@@ -97,7 +97,8 @@ def test_wrong_geometry_in_append_kv_is_an_error_and_writes_nothing(ckv):
 
 
 @pytest.mark.parametrize("word", [
-    fmt.meta_tag(16, 64) & ~0x00FF0000 | 0x00830000,  # the same tag with version 3
+    fmt.meta_tag(16, 64) & ~0x00FF0000 | 0x00840000,  # the same tag with version 4 (before zero-aware blocks)
+    fmt.meta_tag(16, 64) & ~0x00FF0000 | 0x00830000,  # and with version 3
     int.from_bytes(bytes([3, 0x80, 0, 0]), "little"),   # a version-3 row's word 1: descriptor bytes, all <= 0x80
     0,
 ])
@@ -105,7 +106,7 @@ def test_a_row_of_another_version_is_refused(ckv, word):
     meta = ckv.meta.clone()
     meta[1, 1, 0, 1] = word - (1 << 32) if word >= 1 << 31 else word
     bad = torch_zipkv.CompressedKV(ckv.data, meta, 16, 64)
-    message = r"meta\[1, V, head 0\] is not a row of format version 4"
+    message = r"meta\[1, V, head 0\] is not a row of format version 5"
     with pytest.raises(ValueError, match=message):
         bad.validate()
     with pytest.raises(ValueError, match=r"zipkv.decompress_pages: " + message):

@@ -75,7 +75,8 @@ class CompressedKV:
         return self.nbytes / self.raw_nbytes if self.raw_nbytes else 1.0
 
     def descriptors(self) -> torch.Tensor:
-        """Block descriptors, uint8 [num_pages, 2, num_kv_heads, blocks]: 0x80 raw, else compressed (base / 2)."""
+        """Block descriptors, uint8 [num_pages, 2, num_kv_heads, blocks]: 0x80 raw, 0..127 compressed (base / 2),
+        0x81..0xF9 zero-aware compressed (0x81 + base / 2)."""
         return fmt.descriptors(self.meta, self.page_size, self.head_dim)
 
     @property
@@ -120,7 +121,7 @@ class CompressedKV:
             (meta[..., 0] < 0, "holds no stream"),
             (version != ours, f"is not a row of format version {fmt.FORMAT_VERSION} (another version's, or corrupted)"),
             (tag != fmt.meta_tag(self.page_size, self.head_dim), None),  # another geometry: its own message below
-            ((desc > fmt.DESC_RAW).any(-1), "has an invalid block descriptor"),
+            ((desc > fmt.DESC_LAST).any(-1), "has an invalid block descriptor"),
             (start + size > self.data.numel(), "points past the end of data"),
         ]
         for bad, what in problems:

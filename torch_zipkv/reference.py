@@ -43,9 +43,16 @@ def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch
     v = _blocks(kv)
     e = (v >> 7) & 0xFF
     base = e.amin(-1) & ~1
-    comp = (e.amax(-1) - base <= 15) & compress
+    plain = e.amax(-1) - base <= 15  # 12-bit: every exponent in [base, base + 15]
+    # Zero-aware 12-bit: values with e <= 1 take d = 7 (high byte: the sign alone); the others need a window of 14
+    # from their own even base, which must leave base / 2 + 7 <= 127.
+    small = e <= 1
+    zbase = torch.where(small, 256, e).amin(-1) & ~1
+    zero = ~plain & small.any(-1) & (e.amax(-1) - zbase <= 13) & (zbase <= 240)
+    comp = (plain | zero) & compress
     low = v & 0xFF
-    d = (e >> 1) - (base >> 1).unsqueeze(-1)
+    half = torch.where(plain, base >> 1, zbase >> 1).unsqueeze(-1)
+    d = torch.where(zero.unsqueeze(-1) & small, 7, (e >> 1) - half)
     s = v >> 15
     g = lambda x: x.view(*x.shape[:-1], 64, 8)  # noqa: E731  8-position groups
     sd = g(s), g(d)
@@ -55,7 +62,7 @@ def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch
     raw_order = v.view(*v.shape[:-1], 32, 2, 8).transpose(-3, -2).flatten(-3)
     raw_bytes = torch.stack([raw_order & 0xFF, raw_order >> 8], -1).flatten(-2)  # [..., 1024] little-endian
     chunks, meta = [], torch.zeros(n, 2, H, fmt.meta_words(P, D), dtype=torch.int32)
-    desc = torch.where(comp, base >> 1, fmt.DESC_RAW)
+    desc = torch.where(comp, torch.where(plain, base >> 1, 0x81 + (zbase >> 1)), 0x80)
     offset = 0
     for i in range(n):
         for kvi in range(2):
@@ -65,8 +72,8 @@ def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch
                     block = comp_bytes[i, kvi, h, b] if comp[i, kvi, h, b] else raw_bytes[i, kvi, h, b]
                     chunks.append(block)
                     offset += block.numel()
-    # Word 1, the tag: bytes head_dim / 32, page_size / 16, 0x80 | version 4, 'Z' (0x5A).
-    meta[..., 1] = torch.tensor([D // 32, P // 16, 0x84, 0x5A], dtype=torch.uint8).view(torch.int32)
+    # Word 1, the tag: bytes head_dim / 32, page_size / 16, 0x80 | version 5, 'Z' (0x5A).
+    meta[..., 1] = torch.tensor([D // 32, P // 16, 0x85, 0x5A], dtype=torch.uint8).view(torch.int32)
     desc_bytes = torch.zeros(n, 2, H, (fmt.meta_words(P, D) - 2) * 4, dtype=torch.uint8)
     desc_bytes[..., : desc.shape[-1]] = desc.to(torch.uint8)
     meta[..., 2:] = desc_bytes.view(torch.int32)

@@ -33,9 +33,13 @@ void compress_pages_cpu(const at::Tensor& kv, const at::Tensor& page_ids, bool a
       for (int64_t x = begin; x < end; ++x) {
         const int64_t s = x / nb;
         gather_block(src + (s / (2 * H)) * page_values, P, H, D, (s / H) % 2, s % H, x % nb, v);
-        int emin = 255, emax = 0;
-        for (uint16_t u : v) emin = std::min(emin, exponent_of(u)), emax = std::max(emax, exponent_of(u));
-        desc[x] = descriptor_for(emin, emax);
+        int emin = 255, emax = 0, emin_big = 256;
+        for (uint16_t u : v) {
+          const int e = exponent_of(u);
+          emin = std::min(emin, e), emax = std::max(emax, e);
+          if (e >= 2) emin_big = std::min(emin_big, e);
+        }
+        desc[x] = descriptor_for(emin, emax, emin_big);
       }
     });
   }

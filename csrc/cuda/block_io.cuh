@@ -98,29 +98,40 @@ __device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int 
 // The block's descriptor (format.h descriptor_for) from every lane's words: exponents compared in place (masked,
 // two per word), then one warp-wide min and max.
 __device__ __forceinline__ uint8_t warp_block_descriptor(const uint32_t w[8]) {
-  uint32_t lo = 0xFFFFFFFFu, hi = 0;
+  uint32_t lo = 0xFFFFFFFFu, hi = 0, lo_big = 0xFFFFFFFFu;
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     const uint32_t e = w[m] & 0x7F807F80u;
     lo = __vminu2(lo, e);
     hi = __vmaxu2(hi, e);
+    lo_big = __vminu2(lo_big, e | ~__vcmpgeu2(e, 0x01000100u));  // e <= 1 reads as 0xFFFF: not a candidate
   }
   const unsigned emin = __reduce_min_sync(0xffffffffu, min(lo & 0xFFFFu, lo >> 16)) >> 7;
   const unsigned emax = __reduce_max_sync(0xffffffffu, max(hi & 0xFFFFu, hi >> 16)) >> 7;
-  return descriptor_for(static_cast<int>(emin), static_cast<int>(emax));
+  const unsigned emin_big = __reduce_min_sync(0xffffffffu, min(lo_big & 0xFFFFu, lo_big >> 16)) >> 7;  // 511: none
+  return descriptor_for(static_cast<int>(emin), static_cast<int>(emax), static_cast<int>(emin_big));
 }
 
-// The lane's share of a compressed block (half_base = its descriptor): 16 low bytes, and the code words of its
-// two 8-position groups (format.h encode_group). The code bytes of positions 0..3 are their high bytes minus
-// half_base (byte-wise, with no borrow: each high byte's low 7 bits are >= half_base); those of 4..7 go to bits 4-6
-// (d) and 3 (s).
-__device__ __forceinline__ void encode_lane(const uint32_t w[8], int half_base, uint4* low, uint2* codes) {
-  const uint32_t sub = static_cast<uint32_t>(half_base) * 0x01010101u;
+// The lane's share of a compressed block with descriptor desc: 16 low bytes, and the code words of its two 8-position
+// groups (format.h encode_group). The code bytes of positions 0..3 are their high bytes minus b/2 (byte-wise, with no
+// borrow: each high byte's low 7 bits are >= b/2, a zero-aware block's e <= 1 values first raised to b/2 + 7, their
+// d); those of 4..7 go to bits 4-6 (d) and 3 (s).
+__device__ __forceinline__ uint32_t high_bytes_to_code(uint32_t h, uint8_t desc) {
+  const int half_base = desc_half_base(desc);
+  if (desc_zero_aware(desc)) {
+    const uint32_t big = ((h & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u;  // bytes whose e >> 1 is not 0
+    const uint32_t small = (big ^ 0x80808080u) >> 7;                         // 1 in the bytes with e <= 1
+    h |= small * static_cast<uint32_t>(half_base + 7);                       // their 7 bits were 0
+  }
+  return h - static_cast<uint32_t>(half_base) * 0x01010101u;
+}
+
+__device__ __forceinline__ void encode_lane(const uint32_t w[8], uint8_t desc, uint4* low, uint2* codes) {
   uint32_t c[2];
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
-    const uint32_t a = __byte_perm(w[4 * q], w[4 * q + 1], 0x7531) - sub;
-    const uint32_t b = __byte_perm(w[4 * q + 2], w[4 * q + 3], 0x7531) - sub;
+    const uint32_t a = high_bytes_to_code(__byte_perm(w[4 * q], w[4 * q + 1], 0x7531), desc);
+    const uint32_t b = high_bytes_to_code(__byte_perm(w[4 * q + 2], w[4 * q + 3], 0x7531), desc);
     c[q] = a | ((b << 4) & 0x70707070u) | ((b >> 4) & 0x08080808u);
   }
   *low = make_uint4(__byte_perm(w[0], w[1], 0x6420), __byte_perm(w[2], w[3], 0x6420), __byte_perm(w[4], w[5], 0x6420),
@@ -129,12 +140,12 @@ __device__ __forceinline__ void encode_lane(const uint32_t w[8], int half_base, 
 }
 
 // Inverse of encode_lane: the lane's 8 words from its 16 low bytes and two code words.
-__device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, int half_base, uint32_t w[8]) {
+__device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, uint8_t desc, uint32_t w[8]) {
   const uint32_t lw[4] = {low.x, low.y, low.z, low.w}, cw[2] = {codes.x, codes.y};
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     uint32_t h[2];
-    decode_high_bytes(cw[q], half_base, &h[0], &h[1]);
+    decode_high_bytes(cw[q], desc, &h[0], &h[1]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       w[4 * q + 2 * r] = __byte_perm(lw[2 * q + r], h[r], 0x5140);

@@ -22,7 +22,9 @@
 // A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or two 16-byte pieces 512 bytes apart
 // (raw); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes)
 // and 8 byte permutes, or are those registers as loaded. Position order is A-operand register order (format v3), so
-// each group of four words is one mma's A operand as it stands.
+// each group of four words is one mma's A operand as it stands. A zero-aware block (format v5, descriptors
+// 0x81..0xF9: same size and layout) adds ~5 ops per 4 values to the code decode, behind a branch on its descriptor
+// that is uniform over the warp; the tile plan counts raw blocks as descriptors equal to 0x80 (raw_desc_bytes).
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
 // out of range, a missing stream, a meta row tagged with another geometry or format version, an invalid descriptor,
@@ -150,9 +152,17 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Bytes of x that are invalid descriptors (0x81..0xFF) keep their top bit; the rest are 0.
+// Bytes of x that are invalid descriptors (0xFA..0xFF: low 7 bits + 6 reach bit 7) keep their top bit; the rest
+// are 0.
+static_assert(kDescLast == 0xF9, "invalid_desc_bytes tests for 0xFA..0xFF");
 __device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
-  return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu);
+  return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x06060606u);
+}
+
+// Bytes of x that are kDescRaw (0x80) keep their top bit; the rest are 0 (an exact zero-byte test of x ^ 0x80...).
+__device__ __forceinline__ uint32_t raw_desc_bytes(uint32_t x) {
+  const uint32_t y = x ^ 0x80808080u;
+  return ~(((y & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | y) & 0x80808080u;
 }
 
 // ---------------------------------------------------------------------------------------------- block rebuild
@@ -184,8 +194,8 @@ __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, 
   const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * (raw ? lane : lane / 2));
   const uint32_t c0 = lane % 2 ? b.z : b.x, c1 = lane % 2 ? b.w : b.y;
   uint32_t h[4];
-  decode_high_bytes(c0, desc & 0x7F, &h[0], &h[1]);
-  decode_high_bytes(c1, desc & 0x7F, &h[2], &h[3]);
+  decode_high_bytes(c0, desc, &h[0], &h[1]);
+  decode_high_bytes(c1, desc, &h[2], &h[3]);
   const uint32_t l[4] = {a.x, a.y, a.z, a.w}, rw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -203,7 +213,7 @@ struct Entry {
   int32_t page;                  // < 0 or >= num_pages: refused
   int32_t start[2];              // meta word 0 of the K and V rows (256-byte units; < 0: no stream)
   uint32_t desc[2][kDescWords];  // the descriptor words holding the tile's blocks
-  uint32_t before[2];            // raw (or invalid) blocks of the stream in the descriptor words before those
+  uint32_t before[2];            // raw blocks of the stream in the descriptor words before those
   uint32_t bad_before;           // invalid descriptors in those words
 };
 
@@ -230,7 +240,7 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
     for (int w = 0; w < Entry<D>::kDescWords; ++w) e.desc[kv][w] = __ldg(row + kMetaHeaderWords + first_word + w);
     for (int w = 0; w < first_word; ++w) {
       const uint32_t x = __ldg(row + kMetaHeaderWords + w);
-      e.before[kv] += __popc(x & 0x80808080u);
+      e.before[kv] += __popc(raw_desc_bytes(x));
       e.bad_before |= invalid_desc_bytes(x);
     }
   }
@@ -265,7 +275,7 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
     for (int w = 0; w < kW; ++w) dw[w] = e.desc[kv][w];
     if constexpr (kB == 2) {  // the tile is half of a descriptor word
       if (tile_in_page % 2) {
-        before += __popc(dw[0] & 0x8080u);
+        before += __popc(raw_desc_bytes(dw[0] & 0xFFFFu));
         inval |= invalid_desc_bytes(dw[0] & 0xFFFFu);
         dw[0] >>= 16;
       } else {
@@ -276,7 +286,7 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
 #pragma unroll
     for (int w = 0; w < kW; ++w) {
       inval |= invalid_desc_bytes(dw[w]);
-      raw += __popc(dw[w] & 0x80808080u);
+      raw += __popc(raw_desc_bytes(dw[w]));
     }
     const int64_t begin = int64_t{e.start[kv]} * kStreamAlign + int64_t{kCompBlockBytes} * tile_in_page * kB +
                           int64_t{kRawBlockBytes - kCompBlockBytes} * before;
