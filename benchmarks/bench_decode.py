@@ -13,7 +13,8 @@ the per-round ratios. Data:
 - random:    Gaussian BF16 pages with magnitudes below 2^-8 lifted to +-2^-8, so that every block compresses (the
              issue's "all blocks compressible" case; plain randn leaves ~5% of blocks raw, from rare tiny values).
 - real-like: every 16 x 64 K or V stream drawn from SmolLM2-135M's real cache (model package or $ZIPKV_REAL_KV),
-             so blocks keep their real compressibility (K blocks with exact zeros stay raw).
+             so blocks keep their real compressibility (K blocks with exact zeros are zero-aware where the other
+             exponents fit a window of 14, raw otherwise).
 - raw:       the random pages stored with every block raw (the worst case for torch_zipkv).
 - decompress-then-attend (real-like pages): decompress_pages into a BF16 buffer, then FlashInfer (tensor cores) on
              it, as prior lossless KV codecs do; its bytes are the stored ones read, the BF16 written and read again.
