@@ -16,17 +16,20 @@
 //   raw        1024 bytes: the 512 BF16 values (little-endian) in two halves of 512 bytes: the first 8 positions of
 //              each lane's 16 (see below) at 16 lane, its last 8 at 512 + 16 lane (raw_index), or
 //   compressed  768 bytes: 512 low bytes (position order), then 256 bytes of codes (4 bytes per 8 positions).
-// BF16 = s | e (8 bits) | f (7 bits). low byte = lowest exponent bit + f, kept verbatim. With the block base
-// b = (min e) & ~1, a block compresses iff every e <= b + 15; then d = (e - b) >> 1 (3 bits) and the high byte is
-// s << 7 | (b/2 + d), which never carries out of 7 bits because b/2 + d <= 127.
-// Zero-aware compressed blocks (format version 5; same 768 bytes): values with e <= 1 (+-0 and subnormals, which
-// BF16 RoPE makes in K) take d = 7, whose high byte is the sign alone; the others need b = (min of their e) & ~1,
-// every e <= b + 13 and b/2 <= 120 (so b/2 + 7 never carries into the sign). The rebuild clears bits 0-6 of the
-// high bytes whose d is 7: mask m = ((d + 1) & 8) per byte, then h & ~((m << 4) - (m >> 3)).
-// Code word of positions 8q..8q+7 (uint32, little-endian, at code byte 4q):
-//   byte j (j = 0..3) = s[8q+j] << 7 | d[8q+j] | s[8q+4+j] << 3 | d[8q+4+j] << 4
-// so (w & 0x87878787) + b/2 * 0x01010101 restores the high bytes of positions 0..3 in one add, and
-// (((w >> 4) & 0x07070707) | ((w << 4) & 0x80808080)) + b/2 * 0x01010101 those of positions 4..7.
+// BF16 = s | e (8 bits) | f (7 bits). low byte = lowest exponent bit + f, kept verbatim; the high byte is s << 7 | p,
+// p = e >> 1 (the exponent pair). A compressed block stores, per value, the sign and a 3-bit code d that indexes the
+// block's table of 8 pairs, given by its descriptor (code_table):
+//   12-bit      (descriptor b/2, 0..127): b = (min e) & ~1, every e <= b + 15; table b/2 + 0 .. b/2 + 7, d = p - b/2
+//               (b/2 + 7 <= 127 needs no check: it is the pair of the largest exponent).
+//   zero-aware  (descriptor 0x80 | b/2, b/2 in 1..120; format version 5): values with e <= 1 (+-0 and subnormals, which
+//               BF16 RoPE makes in K) take d = 7, table entry 0; the others need b = (min of their e) & ~1 >= 2,
+//               every e <= b + 13 and b/2 <= 120; table b/2 + 0 .. b/2 + 6, 0.
+// Code word of positions 8q..8q+7 (uint32, little-endian, at code byte 4q): bits 4k..4k+2 hold d[8q+k] (k = 0..7),
+// bit 8j + 7 the sign of position 8q+j and bit 8j + 3 that of 8q+4+j (j = 0..3). One byte permute (PRMT) of the
+// table with the selector w & 0x7777 then gives the pairs of positions 0..3 in byte order, and their signs are already
+// at bits 7, 15, 23, 31 of w: (prmt(t0, t1, w & 0x77777777) | (w & 0x80808080)) are their high bytes, and
+// (prmt(t0, t1, (w & 0x77777777) >> 16) | ((w << 4) & 0x80808080)) those of positions 4..7. Both kinds of compressed
+// block take this one rebuild; only the two table words differ.
 //
 // Position order inside a block (why: the decode kernel feeds mma.sync.m16n8k16 straight from 16-byte loads).
 // Lane = 4 g + t of a warp owns positions [16 lane, 16 lane + 16): 16 low bytes (one 16-byte load) and 8 code
@@ -52,9 +55,9 @@
 //           written with. Every reader compares it with the geometry of its call and refuses a row that differs, so
 //           a call with the wrong page_size or head_dim (whose meta row width can come out the same) or a row of
 //           another format version is an error, never neighbouring bytes read as tokens.
-//   bytes 8.. (words 2..): one descriptor byte per block: 0x80 = raw, 0..127 = compressed with base b/2,
-//   0x81..0xF9 = zero-aware compressed with base b/2 = desc - 0x81; 0xFA..0xFF are invalid; padding bytes are 0. The byte offset of block i inside its stream is
-//   768 i + 256 * (raw blocks before i).
+//   bytes 8.. (words 2..): one descriptor byte per block: 0..127 = 12-bit with base b/2, 0x80 = raw,
+//   0x81..0xF8 = zero-aware with base b/2 = desc & 0x7F; 0xF9..0xFF are invalid; padding bytes are 0. The byte offset of
+//   block i inside its stream is 768 i + 256 * (raw blocks before i).
 #pragma once
 
 #include <cstdint>
@@ -78,9 +81,9 @@ constexpr int kRawBlockBytes = 2 * kBlockValues;         // 1024
 constexpr int kRawHalfBytes = kRawBlockBytes / 2;         // a raw block's second piece of each lane starts here
 constexpr int kStreamAlign = 256;                        // stream offsets are stored in these units
 constexpr uint8_t kDescRaw = 0x80;
-constexpr uint8_t kDescZero = 0x81;                          // 0x81 + b/2: zero-aware compressed
+constexpr uint8_t kDescZero = 0x80;                          // 0x80 | b/2: zero-aware compressed (b/2 >= 1)
 constexpr int kMaxZeroHalfBase = 120;                        // b/2 + 7 <= 127 in a zero-aware block
-constexpr uint8_t kDescLast = kDescZero + kMaxZeroHalfBase;  // 0xF9, the largest valid descriptor
+constexpr uint8_t kDescLast = kDescZero | kMaxZeroHalfBase;  // 0xF8, the largest valid descriptor
 constexpr int32_t kNoStream = -1;
 constexpr int kMaxPageSize = 128;
 constexpr int kMetaHeaderWords = 2;  // a meta row's offset and tag words; its descriptors follow
@@ -125,7 +128,7 @@ ZIPKV_HD int block_bytes(uint8_t desc) { return desc == kDescRaw ? kRawBlockByte
 ZIPKV_HD bool desc_valid(uint8_t desc) { return desc <= kDescLast; }
 ZIPKV_HD bool desc_zero_aware(uint8_t desc) { return desc > kDescRaw; }  // of a valid descriptor
 // b/2 of a compressed block's descriptor.
-ZIPKV_HD int desc_half_base(uint8_t desc) { return desc < kDescRaw ? desc : desc - kDescZero; }
+ZIPKV_HD int desc_half_base(uint8_t desc) { return desc & 0x7F; }
 
 // Position of (tok, dim) inside its block; tok in [0, 16), dim in [0, 32).
 ZIPKV_HD int k_position(int tok, int dim) {
@@ -151,7 +154,7 @@ ZIPKV_HD uint8_t descriptor_for(int emin, int emax, int emin_big) {
   const int base = emin & ~1;
   if (emax - base <= 15) return static_cast<uint8_t>(base >> 1);
   const int zbase = emin_big & ~1;  // emin <= 1 here: some value has e <= 1, and some e >= 2
-  if (emax - zbase <= 13 && zbase / 2 <= kMaxZeroHalfBase) return static_cast<uint8_t>(kDescZero + zbase / 2);
+  if (emax - zbase <= 13 && zbase / 2 <= kMaxZeroHalfBase) return static_cast<uint8_t>(kDescZero | zbase / 2);
   return kDescRaw;
 }
 
@@ -162,36 +165,49 @@ ZIPKV_HD uint32_t code_d(uint16_t value, uint8_t desc) {
   return static_cast<uint32_t>(e / 2 - desc_half_base(desc));
 }
 
-// The byte of the code word that holds positions j and j + 4 of an 8-position group, j in [0, 4).
-ZIPKV_HD uint8_t code_byte(uint16_t lo_value, uint16_t hi_value, uint8_t desc) {
-  return static_cast<uint8_t>(((lo_value >> 15) << 7) | code_d(lo_value, desc) | ((hi_value >> 15) << 3) |
-                              (code_d(hi_value, desc) << 4));
-}
-
 // The code word of 8 positions (values in position order).
 ZIPKV_HD uint32_t encode_group(const uint16_t* v, uint8_t desc) {
   uint32_t w = 0;
-  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(code_byte(v[j], v[j + 4], desc)) << (8 * j);
+  for (int k = 0; k < 8; ++k) w |= code_d(v[k], desc) << (4 * k);
+  for (int j = 0; j < 4; ++j)
+    w |= static_cast<uint32_t>(v[j] >> 15) << (8 * j + 7) | static_cast<uint32_t>(v[j + 4] >> 15) << (8 * j + 3);
   return w;
 }
 
-// Bits 0-6 of the bytes of h whose d (bytes of d, 0..7) is 7, set: the zero-aware rebuild clears them.
-ZIPKV_HD uint32_t zero_kill_mask(uint32_t d) {
-  const uint32_t m = (d + 0x01010101u) & 0x08080808u;  // 8 in the bytes with d = 7 (d + 1 never carries out)
-  return (m << 4) - (m >> 3);                          // 0x80 - 0x01 = 0x7F there, no borrow between bytes
+// The table of a compressed block: byte k of t0 (k = 0..3) and of t1 (k = 4..7) is the exponent pair that code k
+// stands for.
+ZIPKV_HD void code_table(uint8_t desc, uint32_t* t0, uint32_t* t1) {
+  *t0 = static_cast<uint32_t>(desc_half_base(desc)) * 0x01010101u + 0x03020100u;
+#if defined(__CUDA_ARCH__)
+  uint32_t zero;  // 0xFF000000 for a zero-aware descriptor (bit 7 set), else 0: one sign-replicating byte permute
+  asm("prmt.b32 %0, %1, 0, 0x8444;" : "=r"(zero) : "r"(static_cast<uint32_t>(desc)));
+#else
+  const uint32_t zero = desc_zero_aware(desc) ? 0xFF000000u : 0u;
+#endif
+  *t1 = (*t0 + 0x04040404u) & ~zero;
 }
 
-// High bytes of the 8 positions of one code word of a compressed block with descriptor desc: positions 0..3 in *h0,
+// Byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes {x, y} (k = 0..3; the selector's bit 3 of each nibble
+// must be 0, its upper 16 bits are ignored): the PRMT instruction.
+ZIPKV_HD uint32_t byte_select(uint32_t x, uint32_t y, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(sel));
+  return r;
+#else
+  const uint64_t xy = static_cast<uint64_t>(y) << 32 | x;
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>((xy >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k);
+  return r;
+#endif
+}
+
+// High bytes of the 8 positions of one code word of a compressed block with table (t0, t1): positions 0..3 in *h0,
 // 4..7 in *h1 (byte j = position j).
-ZIPKV_HD void decode_high_bytes(uint32_t w, uint8_t desc, uint32_t* h0, uint32_t* h1) {
-  const uint32_t add = static_cast<uint32_t>(desc_half_base(desc)) * 0x01010101u;
-  const uint32_t d1 = (w >> 4) & 0x07070707u;
-  *h0 = (w & 0x87878787u) + add;
-  *h1 = (d1 | ((w << 4) & 0x80808080u)) + add;
-  if (desc_zero_aware(desc)) {
-    *h0 &= ~zero_kill_mask(w & 0x07070707u);
-    *h1 &= ~zero_kill_mask(d1);
-  }
+ZIPKV_HD void decode_high_bytes(uint32_t w, uint32_t t0, uint32_t t1, uint32_t* h0, uint32_t* h1) {
+  const uint32_t sel = w & 0x77777777u;
+  *h0 = byte_select(t0, t1, sel) | (w & 0x80808080u);
+  *h1 = byte_select(t0, t1, sel >> 16) | ((w << 4) & 0x80808080u);
 }
 
 // Byte offset of block i inside a stream whose descriptors are desc[0..].
@@ -263,11 +279,13 @@ ZIPKV_HD void decode_block(const uint8_t* src, uint8_t desc, uint16_t* v) {
     }
     return;
   }
+  uint32_t t0, t1;
+  code_table(desc, &t0, &t1);
   for (int q = 0; q < kBlockValues / 8; ++q) {
     const uint8_t* c = src + kLowBytes + 4 * q;
     const uint32_t w = c[0] | (c[1] << 8) | (c[2] << 16) | (static_cast<uint32_t>(c[3]) << 24);
     uint32_t h[2];
-    decode_high_bytes(w, desc, &h[0], &h[1]);
+    decode_high_bytes(w, t0, t1, &h[0], &h[1]);
     for (int j = 0; j < 8; ++j) {
       const uint32_t hi = (h[j / 4] >> (8 * (j % 4))) & 0xFF;
       v[8 * q + j] = static_cast<uint16_t>((hi << 8) | src[8 * q + j]);

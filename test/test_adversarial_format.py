@@ -42,7 +42,7 @@ def make_storage(seed: int, page_size: int, head_dim: int, heads: int):
 def invalid_rows(meta: torch.Tensor, page_size: int, head_dim: int, data_bytes: int) -> tuple[torch.Tensor, dict]:
     """The format's rule for a usable meta row (docs/FORMAT.md, Metadata), stated independently of the kernels:
     word 0 >= 0, word 1 the tag of format version 5 for this geometry (bytes head_dim / 32, page_size / 16, 0x85,
-    0x5A), descriptors of the stream's nb blocks in 0..0xF9, and the stream (768 bytes per compressed block, 1024 per
+    0x5A), descriptors of the stream's nb blocks in 0..0xF8, and the stream (768 bytes per compressed block, 1024 per
     raw one from word 0 * 256 on) inside data. Returns (bool [pages, 2, heads] invalid, reason per row)."""
     nb = (page_size // 16) * (head_dim // 32)
     start = meta[..., 0].long()
@@ -51,7 +51,7 @@ def invalid_rows(meta: torch.Tensor, page_size: int, head_dim: int, data_bytes: 
     missing = start < 0
     other_version = (tag[..., 2] != 0x85) | (tag[..., 3] != 0x5A)
     other_geometry = (tag[..., 0] != head_dim // 32) | (tag[..., 1] != page_size // 16)
-    bad_desc = (desc > 0xF9).any(-1)  # 0x00..0x7F 12-bit, 0x80 raw, 0x81..0xF9 zero-aware 12-bit
+    bad_desc = (desc > fmt.DESC_LAST).any(-1)  # 0x00..0x7F 12-bit, 0x80 raw, 0x81..0xF8 zero-aware 12-bit
     size = torch.where(desc == fmt.DESC_RAW, fmt.RAW_BLOCK_BYTES, fmt.COMP_BLOCK_BYTES).sum(-1)
     past = start * fmt.STREAM_ALIGN + size > data_bytes
     invalid = missing | other_version | other_geometry | bad_desc | past

@@ -76,7 +76,7 @@ class CompressedKV:
 
     def descriptors(self) -> torch.Tensor:
         """Block descriptors, uint8 [num_pages, 2, num_kv_heads, blocks]: 0x80 raw, 0..127 compressed (base / 2),
-        0x81..0xF9 zero-aware compressed (0x81 + base / 2)."""
+        0x81..0xF8 zero-aware compressed (0x80 | base / 2)."""
         return fmt.descriptors(self.meta, self.page_size, self.head_dim)
 
     @property

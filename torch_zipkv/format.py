@@ -15,8 +15,8 @@ RAW_BLOCK_BYTES = 2 * BLOCK_VALUES  # 1024
 COMP_BLOCK_BYTES = BLOCK_VALUES + BLOCK_VALUES // 2  # 768: low bytes, then 4-bit codes
 STREAM_ALIGN = 256  # meta word 0 counts stream starts in these units
 DESC_RAW = 0x80
-DESC_ZERO = 0x81  # 0x81 + b/2: a zero-aware compressed block (b/2 <= 120)
-DESC_LAST = 0xF9  # the largest valid descriptor; 0xFA..0xFF are invalid
+DESC_ZERO = 0x80  # 0x80 | b/2: a zero-aware compressed block (1 <= b/2 <= 120)
+DESC_LAST = 0xF8  # the largest valid descriptor; 0xF9..0xFF are invalid
 NO_STREAM = -1
 MAX_PAGE_SIZE = 128
 META_HEADER_WORDS = 2  # a meta row's stream offset and tag; its descriptor bytes follow

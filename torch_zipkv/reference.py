@@ -53,16 +53,19 @@ def encode(kv: torch.Tensor, compress: bool = True) -> tuple[torch.Tensor, torch
     low = v & 0xFF
     half = torch.where(plain, base >> 1, zbase >> 1).unsqueeze(-1)
     d = torch.where(zero.unsqueeze(-1) & small, 7, (e >> 1) - half)
-    s = v >> 15
-    g = lambda x: x.view(*x.shape[:-1], 64, 8)  # noqa: E731  8-position groups
-    sd = g(s), g(d)
-    codes = (sd[0][..., :4] << 7) | sd[1][..., :4] | (sd[0][..., 4:] << 3) | (sd[1][..., 4:] << 4)
+    s, d = (x.view(*x.shape[:-1], 64, 8) for x in (v >> 15, d))  # 8-position groups
+    # One little-endian uint32 per group: d of position k at bits 4k..4k+2; the sign of position j at bit 8j + 7 and
+    # that of j + 4 at bit 8j + 3 (j < 4).
+    shift_d = torch.arange(8) * 4
+    shift_s = torch.tensor([7, 15, 23, 31, 3, 11, 19, 27])
+    words = ((d << shift_d) | (s << shift_s)).sum(-1)  # disjoint bits: the sum is the OR
+    codes = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], -1)
     comp_bytes = torch.cat([low, codes.flatten(-2)], -1)  # [..., 768]
     # Raw: each lane's 16 positions as two 8-value pieces, the first pieces of all lanes, then the second ones.
     raw_order = v.view(*v.shape[:-1], 32, 2, 8).transpose(-3, -2).flatten(-3)
     raw_bytes = torch.stack([raw_order & 0xFF, raw_order >> 8], -1).flatten(-2)  # [..., 1024] little-endian
     chunks, meta = [], torch.zeros(n, 2, H, fmt.meta_words(P, D), dtype=torch.int32)
-    desc = torch.where(comp, torch.where(plain, base >> 1, 0x81 + (zbase >> 1)), 0x80)
+    desc = torch.where(comp, torch.where(plain, base >> 1, 0x80 | (zbase >> 1)), 0x80)
     offset = 0
     for i in range(n):
         for kvi in range(2):

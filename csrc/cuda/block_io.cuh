@@ -113,9 +113,9 @@ __device__ __forceinline__ uint8_t warp_block_descriptor(const uint32_t w[8]) {
 }
 
 // The lane's share of a compressed block with descriptor desc: 16 low bytes, and the code words of its two 8-position
-// groups (format.h encode_group). The code bytes of positions 0..3 are their high bytes minus b/2 (byte-wise, with no
-// borrow: each high byte's low 7 bits are >= b/2, a zero-aware block's e <= 1 values first raised to b/2 + 7, their
-// d); those of 4..7 go to bits 4-6 (d) and 3 (s).
+// groups (format.h encode_group). High bytes minus b/2 (byte-wise, with no borrow: each high byte's low 7 bits are
+// >= b/2, a zero-aware block's e <= 1 values first raised to b/2 + 7) are s << 7 | d; the d of positions 0..3 and of
+// 4..7 are then packed into nibbles, and the signs of 4..7 go to bit 3 of each byte.
 __device__ __forceinline__ uint32_t high_bytes_to_code(uint32_t h, uint8_t desc) {
   const int half_base = desc_half_base(desc);
   if (desc_zero_aware(desc)) {
@@ -132,7 +132,9 @@ __device__ __forceinline__ void encode_lane(const uint32_t w[8], uint8_t desc, u
   for (int q = 0; q < 2; ++q) {
     const uint32_t a = high_bytes_to_code(__byte_perm(w[4 * q], w[4 * q + 1], 0x7531), desc);
     const uint32_t b = high_bytes_to_code(__byte_perm(w[4 * q + 2], w[4 * q + 3], 0x7531), desc);
-    c[q] = a | ((b << 4) & 0x70707070u) | ((b >> 4) & 0x08080808u);
+    // Bytes 0 and 2 of (d | d >> 4) hold d of positions {0, 1} and {2, 3} as two nibbles each.
+    const uint32_t da = a & 0x07070707u, db = b & 0x07070707u;
+    c[q] = __byte_perm(da | (da >> 4), db | (db >> 4), 0x6420) | (a & 0x80808080u) | ((b >> 4) & 0x08080808u);
   }
   *low = make_uint4(__byte_perm(w[0], w[1], 0x6420), __byte_perm(w[2], w[3], 0x6420), __byte_perm(w[4], w[5], 0x6420),
                     __byte_perm(w[6], w[7], 0x6420));
@@ -142,10 +144,12 @@ __device__ __forceinline__ void encode_lane(const uint32_t w[8], uint8_t desc, u
 // Inverse of encode_lane: the lane's 8 words from its 16 low bytes and two code words.
 __device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, uint8_t desc, uint32_t w[8]) {
   const uint32_t lw[4] = {low.x, low.y, low.z, low.w}, cw[2] = {codes.x, codes.y};
+  uint32_t t0, t1;
+  code_table(desc, &t0, &t1);
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     uint32_t h[2];
-    decode_high_bytes(cw[q], desc, &h[0], &h[1]);
+    decode_high_bytes(cw[q], t0, t1, &h[0], &h[1]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       w[4 * q + 2 * r] = __byte_perm(lw[2 * q + r], h[r], 0x5140);

@@ -20,11 +20,12 @@
 //   O^T = V^T P^T: M = 16 dims, N = 8 heads, K = 16 tokens. The A operand is V dim-major (format.h's V positions);
 //     P^T is S^T's accumulators in bf16, moved into B-operand order by two movmatrix.trans per tile.
 // A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or two 16-byte pieces 512 bytes apart
-// (raw); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes)
-// and 8 byte permutes, or are those registers as loaded. Position order is A-operand register order (format v3), so
-// each group of four words is one mma's A operand as it stands. A zero-aware block (format v5, descriptors
-// 0x81..0xF9: same size and layout) adds ~5 ops per 4 values to the code decode, behind a branch on its descriptor
-// that is uniform over the warp; the tile plan counts raw blocks as descriptors equal to 0x80 (raw_desc_bytes).
+// (raw); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes: 2
+// table permutes each) and 8 byte permutes, or are those registers as loaded. Position order is A-operand register order (format v3), so
+// each group of four words is one mma's A operand as it stands. Both kinds of compressed block (12-bit and
+// zero-aware, format v5) take the same rebuild: a byte permute of the block's 8-entry table (two words made from its
+// descriptor) per 4 values, so no branch in the tile loop depends on the kind; the tile plan counts raw blocks as
+// descriptors equal to 0x80 (raw_desc_bytes).
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
 // out of range, a missing stream, a meta row tagged with another geometry or format version, an invalid descriptor,
@@ -152,11 +153,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Bytes of x that are invalid descriptors (0xFA..0xFF: low 7 bits + 6 reach bit 7) keep their top bit; the rest
+// Bytes of x that are invalid descriptors (0xF9..0xFF: low 7 bits + 7 reach bit 7) keep their top bit; the rest
 // are 0.
-static_assert(kDescLast == 0xF9, "invalid_desc_bytes tests for 0xFA..0xFF");
+static_assert(kDescLast == 0xF8, "invalid_desc_bytes tests for 0xF9..0xFF");
 __device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
-  return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x06060606u);
+  return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x07070707u);
 }
 
 // Bytes of x that are kDescRaw (0x80) keep their top bit; the rest are 0 (an exact zero-byte test of x ^ 0x80...).
@@ -193,9 +194,10 @@ __device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, 
   const uint4 a = *reinterpret_cast<const uint4*>(block + 16 * lane);
   const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * (raw ? lane : lane / 2));
   const uint32_t c0 = lane % 2 ? b.z : b.x, c1 = lane % 2 ? b.w : b.y;
-  uint32_t h[4];
-  decode_high_bytes(c0, desc, &h[0], &h[1]);
-  decode_high_bytes(c1, desc, &h[2], &h[3]);
+  uint32_t t0, t1, h[4];
+  code_table(desc, &t0, &t1);
+  decode_high_bytes(c0, t0, t1, &h[0], &h[1]);
+  decode_high_bytes(c1, t0, t1, &h[2], &h[3]);
   const uint32_t l[4] = {a.x, a.y, a.z, a.w}, rw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
