@@ -27,9 +27,9 @@
 // Code word of positions 8q..8q+7 (uint32, little-endian, at code byte 4q): bits 4k..4k+2 hold d[8q+k] (k = 0..7),
 // bit 8j + 7 the sign of position 8q+j and bit 8j + 3 that of 8q+4+j (j = 0..3). One byte permute (PRMT) of the
 // table with the selector w & 0x7777 then gives the pairs of positions 0..3 in byte order, and their signs are already
-// at bits 7, 15, 23, 31 of w: (prmt(t0, t1, w & 0x77777777) | (w & 0x80808080)) are their high bytes, and
-// (prmt(t0, t1, (w & 0x77777777) >> 16) | ((w << 4) & 0x80808080)) those of positions 4..7. Both kinds of compressed
-// block take this one rebuild; only the two table words differ.
+// at bits 7, 15, 23, 31 of w: prmt(t0, t1, w & 0x77777777) with its top bits replaced by w's (one LOP3) are their high
+// bytes, and prmt(t0, t1, (w & 0x77777777) >> 16) with the top bits of w << 4 those of positions 4..7. Both kinds of
+// compressed block take this one rebuild; only the two table words differ.
 //
 // Position order inside a block (why: the decode kernel feeds mma.sync.m16n8k16 straight from 16-byte loads).
 // Lane = 4 g + t of a warp owns positions [16 lane, 16 lane + 16): 16 low bytes (one 16-byte load) and 8 code
@@ -174,17 +174,13 @@ ZIPKV_HD uint32_t encode_group(const uint16_t* v, uint8_t desc) {
   return w;
 }
 
-// The table of a compressed block: byte k of t0 (k = 0..3) and of t1 (k = 4..7) is the exponent pair that code k
-// stands for.
+// The table of a compressed block: the low 7 bits of byte k of t0 (k = 0..3) and of t1 (k = 4..7) are the exponent
+// pair that code k stands for; the top bits are not part of it (decode_high_bytes takes the signs from the code word
+// instead), which lets the table be desc * 0x01010101 plus offsets with desc's zero-aware bit 7 left in. Code 7 of a
+// zero-aware table is pair 0. (Entries past pair 127 of a 12-bit block with b/2 > 120 are never used.)
 ZIPKV_HD void code_table(uint8_t desc, uint32_t* t0, uint32_t* t1) {
-  *t0 = static_cast<uint32_t>(desc_half_base(desc)) * 0x01010101u + 0x03020100u;
-#if defined(__CUDA_ARCH__)
-  uint32_t zero;  // 0xFF000000 for a zero-aware descriptor (bit 7 set), else 0: one sign-replicating byte permute
-  asm("prmt.b32 %0, %1, 0, 0x8444;" : "=r"(zero) : "r"(static_cast<uint32_t>(desc)));
-#else
-  const uint32_t zero = desc_zero_aware(desc) ? 0xFF000000u : 0u;
-#endif
-  *t1 = (*t0 + 0x04040404u) & ~zero;
+  *t0 = static_cast<uint32_t>(desc) * 0x01010101u + 0x03020100u;
+  *t1 = (*t0 + 0x04040404u) & (desc_zero_aware(desc) ? 0x80FFFFFFu : 0xFFFFFFFFu);
 }
 
 // Byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes {x, y} (k = 0..3; the selector's bit 3 of each nibble
@@ -202,12 +198,23 @@ ZIPKV_HD uint32_t byte_select(uint32_t x, uint32_t y, uint32_t sel) {
 #endif
 }
 
+// Bits 0-6 of x and bit 7 of y, in each byte: one LOP3 on the GPU (the compiler does not find it in the C++ form).
+ZIPKV_HD uint32_t take_signs(uint32_t x, uint32_t y) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, 0x80808080, 0xD8;" : "=r"(r) : "r"(x), "r"(y));  // (a & ~c) | (b & c)
+  return r;
+#else
+  return (x & 0x7F7F7F7Fu) | (y & 0x80808080u);
+#endif
+}
+
 // High bytes of the 8 positions of one code word of a compressed block with table (t0, t1): positions 0..3 in *h0,
 // 4..7 in *h1 (byte j = position j).
 ZIPKV_HD void decode_high_bytes(uint32_t w, uint32_t t0, uint32_t t1, uint32_t* h0, uint32_t* h1) {
   const uint32_t sel = w & 0x77777777u;
-  *h0 = byte_select(t0, t1, sel) | (w & 0x80808080u);
-  *h1 = byte_select(t0, t1, sel >> 16) | ((w << 4) & 0x80808080u);
+  *h0 = take_signs(byte_select(t0, t1, sel), w);
+  *h1 = take_signs(byte_select(t0, t1, sel >> 16), w << 4);
 }
 
 // Byte offset of block i inside a stream whose descriptors are desc[0..].

@@ -141,11 +141,9 @@ __device__ __forceinline__ void encode_lane(const uint32_t w[8], uint8_t desc, u
   *codes = make_uint2(c[0], c[1]);
 }
 
-// Inverse of encode_lane: the lane's 8 words from its 16 low bytes and two code words.
-__device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, uint8_t desc, uint32_t w[8]) {
+// The lane's 8 words from its 16 low bytes and two code words, with the block's table (format.h code_table).
+__device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, uint32_t t0, uint32_t t1, uint32_t w[8]) {
   const uint32_t lw[4] = {low.x, low.y, low.z, low.w}, cw[2] = {codes.x, codes.y};
-  uint32_t t0, t1;
-  code_table(desc, &t0, &t1);
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     uint32_t h[2];
@@ -156,6 +154,13 @@ __device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, uint8_t desc
       w[4 * q + 2 * r + 1] = __byte_perm(lw[2 * q + r], h[r], 0x7362);
     }
   }
+}
+
+// Inverse of encode_lane.
+__device__ __forceinline__ void decode_lane(uint4 low, uint2 codes, uint8_t desc, uint32_t w[8]) {
+  uint32_t t0, t1;
+  code_table(desc, &t0, &t1);
+  decode_lane(low, codes, t0, t1, w);
 }
 
 }  // namespace zipkv::cuda

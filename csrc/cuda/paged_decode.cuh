@@ -170,9 +170,10 @@ __device__ __forceinline__ uint32_t raw_desc_bytes(uint32_t x) {
 // The lane's 16 values of a block (at `block` in shared memory, stored as in global memory) as 8 bf16x2 registers
 // in position order. Every load below is conflict-free: 16 bytes per lane at a 16-byte stride (or 8 at 8).
 // Compressed: 16 low bytes at 16 lane and 8 code bytes at 512 + 8 lane.
-__device__ __forceinline__ void rebuild_compressed(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
+// The block's table (t0, t1: format.h code_table) comes from table_at.
+__device__ __forceinline__ void rebuild_compressed(const uint8_t* block, const uint2& table, int lane, uint32_t r[8]) {
   decode_lane(*reinterpret_cast<const uint4*>(block + 16 * lane),
-              *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane), desc, r);
+              *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane), table.x, table.y, r);
 }
 
 // Raw: the lane's words 0-3 at 16 lane, 4-7 at 512 + 16 lane (format.h raw_index).
@@ -188,16 +189,16 @@ __device__ __forceinline__ void rebuild_raw(const uint8_t* block, int lane, uint
 // block (kDescBad) reads whatever is there; the caller turns the request's result into NaN. The compressed rebuild
 // is decode_lane's, written out with the select per word pair: calling decode_lane and selecting afterwards keeps
 // both 8-word sets live (d 128: 147 -> 155 registers).
-__device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, int lane, uint32_t r[8]) {
+__device__ __forceinline__ void rebuild_any(const uint8_t* block, uint8_t desc, const uint2& table, int lane,
+                                            uint32_t r[8]) {
   static_assert(kLowBytes == kRawHalfBytes, "both kinds' second loads start 512 bytes into the block");
   const bool raw = desc == kDescRaw;
   const uint4 a = *reinterpret_cast<const uint4*>(block + 16 * lane);
   const uint4 b = *reinterpret_cast<const uint4*>(block + kRawHalfBytes + 16 * (raw ? lane : lane / 2));
   const uint32_t c0 = lane % 2 ? b.z : b.x, c1 = lane % 2 ? b.w : b.y;
-  uint32_t t0, t1, h[4];
-  code_table(desc, &t0, &t1);
-  decode_high_bytes(c0, t0, t1, &h[0], &h[1]);
-  decode_high_bytes(c1, t0, t1, &h[2], &h[3]);
+  uint32_t h[4];
+  decode_high_bytes(c0, table.x, table.y, &h[0], &h[1]);
+  decode_high_bytes(c1, table.x, table.y, &h[2], &h[3]);
   const uint32_t l[4] = {a.x, a.y, a.z, a.w}, rw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -332,6 +333,17 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
   return static_cast<uint8_t>(w >> (8 * (j % 4)));
 }
 
+// format.h code_table(desc_at(d, j)) in four instructions instead of seven (j is a constant in every caller): two byte
+// permutes broadcast descriptor j into all four bytes and its zero-aware bit 7 into byte 3's mask.
+__device__ __forceinline__ uint2 table_at(const uint4& d, int j) {
+  const uint32_t w = j < 4 ? d.x : j < 8 ? d.y : j < 12 ? d.z : d.w;
+  const uint32_t k = j % 4;
+  uint32_t all, zero;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(all) : "r"(w), "r"(k * 0x1111u));
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(zero) : "r"(w), "r"((8u | k) << 12 | 0x444u));  // 0xFF000000 if bit 7
+  return make_uint2(all + 0x03020100u, (all + 0x07060504u) & ~(zero & 0x7F000000u));
+}
+
 // Blocks kC, kC + 1 of a mixed stream (raw blocks in `mask`) in one straight line per pattern of the pair, so every
 // load and permute is a fixed instruction instead of rebuild_any's both decodes and a select per word (~65 more
 // instructions per d 128 stream). Pairs rather than whole streams: 14 whole-stream lines at d 128 made the loop's
@@ -344,10 +356,10 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
       base + kCompBlockBytes * kC + (kRawBlockBytes - kCompBlockBytes) * __popc(mask & ((1u << kC) - 1));
   auto line = [&]<uint32_t kPair>() {
     if constexpr (kPair & 1) rebuild_raw(at, lane, r[kC]);
-    else rebuild_compressed(at, desc_at(descs, first + kC), lane, r[kC]);
+    else rebuild_compressed(at, table_at(descs, first + kC), lane, r[kC]);
     const uint8_t* next = at + ((kPair & 1) ? kRawBlockBytes : kCompBlockBytes);
     if constexpr (kPair & 2) rebuild_raw(next, lane, r[kC + 1]);
-    else rebuild_compressed(next, desc_at(descs, first + kC + 1), lane, r[kC + 1]);
+    else rebuild_compressed(next, table_at(descs, first + kC + 1), lane, r[kC + 1]);
   };
   switch ((mask >> kC) & 3u) {
     case 0: if constexpr (kB > 2) line.template operator()<0>(); break;  // a 2-block mix is pattern 1 or 2
@@ -500,7 +512,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       if (tile_comp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
-          rebuild_compressed(stage + kCompBlockBytes * (kv * kB + c), desc_at(descs, kv * kB + c), lane, r[c]);
+          rebuild_compressed(stage + kCompBlockBytes * (kv * kB + c), table_at(descs, kv * kB + c), lane, r[c]);
         return;
       }
       const uint8_t* base = stage + (kv ? k_bytes : 0u);
@@ -508,7 +520,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       if (kind == kAllComp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
-          rebuild_compressed(base + kCompBlockBytes * c, desc_at(descs, kv * kB + c), lane, r[c]);
+          rebuild_compressed(base + kCompBlockBytes * c, table_at(descs, kv * kB + c), lane, r[c]);
       } else if (kind == kAllRaw) {
 #pragma unroll
         for (int c = 0; c < kB; ++c) rebuild_raw(base + kRawBlockBytes * c, lane, r[c]);
@@ -523,7 +535,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 #pragma unroll
         for (int c = 0; c < kB; ++c) {
           const uint8_t desc = desc_at(descs, kv * kB + c);
-          rebuild_any(base + off, desc, lane, r[c]);
+          rebuild_any(base + off, desc, table_at(descs, kv * kB + c), lane, r[c]);
           off += block_size(desc);
         }
       }
