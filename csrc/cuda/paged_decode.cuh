@@ -68,6 +68,10 @@ struct Params {
   float cap_log2, scale_cap;  // cap * log2(e), sm_scale / cap
 };
 
+// Bytes of a tile record (TileRec<D>, below): at d 64 it carries its blocks' tables too.
+template <int D>
+constexpr int kTileRecBytes = D == 64 ? 64 : 32;
+
 // Geometry and pipeline depth per head_dim, target residency (kCtas CTAs per SM) and warps per CTA. Each warp owns a
 // byte ring in shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K
 // bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds
@@ -78,7 +82,7 @@ struct Cfg {
   static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
-  static constexpr int kTableBytes = kWarps * 64 * 32;  // per warp, two rounds of 32 tile records
+  static constexpr int kTableBytes = kWarps * 64 * kTileRecBytes<D>;  // per warp, two rounds of 32 tile records
   // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for the mbarriers.
   static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
   static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
@@ -257,18 +261,28 @@ constexpr uint32_t kAllComp = 1, kAllRaw = 2, kMixed = 3;
 // A tile planned for issue, 32 bytes in the warp's tile table: descriptors (kDescBad for a refused stream), where
 // its K and V bytes are, how many, and each stream's kind (bits 0-1 K, 2-3 V; 0: refused) and raw-block mask (bits
 // 8-15 K, 16-23 V).
-struct TileRec {
+struct TileRecBase {
   uint4 descs;       // K descriptor bytes, then V's
   uint32_t src[2];   // K, V byte offsets in data / 256
   uint32_t bytes;    // K bytes | V bytes << 16 (0 for a refused stream)
   uint32_t kinds;
 };
+// At d 64 the record also holds the tables of the tile's 4 blocks (K's two, then V's: format.h code_table), made once
+// by the planning lane instead of by every lane at every block (table_at): a d-64 tile brings half the bytes of a
+// d-128 one for the same per-tile work, so there the kernel is bound by instruction issue (decode-kernel.md, v18).
+template <int D>
+struct TileRec : TileRecBase {};
+template <>
+struct TileRec<64> : TileRecBase {
+  uint2 tables[4];
+};
 
 // Validates an entry and plans its tile. Each lane plans its own tile of a round of 32, so this runs once per tile.
 template <int D>
-__device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, const Entry<D>& e) {
+__device__ __forceinline__ TileRec<D> plan_tile(const Params& p, int tile_in_page, const Entry<D>& e) {
   constexpr int kB = Cfg<D>::kBlocks, kW = Entry<D>::kDescWords;
-  TileRec t;
+  static_assert(sizeof(TileRec<D>) == kTileRecBytes<D>, "Cfg sizes the tile table by kTileRecBytes");
+  TileRec<D> t;
   uint8_t descs[2 * kB];
   t.kinds = 0;
 #pragma unroll
@@ -311,11 +325,15 @@ __device__ __forceinline__ TileRec plan_tile(const Params& p, int tile_in_page, 
 #pragma unroll
   for (int j = 0; j < 2 * kB; ++j) packed[j / 4] |= static_cast<uint32_t>(descs[j]) << (8 * (j % 4));
   t.descs = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  if constexpr (D == 64) {
+#pragma unroll
+    for (int j = 0; j < 2 * kB; ++j) code_table(descs[j], &t.tables[j].x, &t.tables[j].y);
+  }
   return t;
 }
 
 // Lane 0 starts the tile's two bulk copies (K bytes, then V bytes right after) into dst on the slot's mbarrier.
-__device__ __forceinline__ void issue_tile(const Params& p, const TileRec& t, uint8_t* dst, uint32_t bar) {
+__device__ __forceinline__ void issue_tile(const Params& p, const TileRecBase& t, uint8_t* dst, uint32_t bar) {
   const uint32_t kb = t.bytes & 0xFFFFu, vb = t.bytes >> 16;
   fence_proxy_async();  // the warp's reads of these bytes (ordered by the caller's __syncwarp) come first
   mbar_arrive_expect(bar, kb + vb);
@@ -349,17 +367,17 @@ __device__ __forceinline__ uint2 table_at(const uint4& d, int j) {
 // instructions per d 128 stream). Pairs rather than whole streams: 14 whole-stream lines at d 128 made the loop's
 // code too large and real KV slower (docs/decode-kernel.md, v12); a uniform branch does not wait for the loads
 // before it, so the two pairs' loads are still in flight together.
-template <int kB, int kC>
-__device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base, const uint4& descs, int first,
+template <int kB, int kC, typename Tables>
+__device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base, const Tables& tables, int first,
                                              int lane, uint32_t (&r)[kB][8]) {
   const uint8_t* at =
       base + kCompBlockBytes * kC + (kRawBlockBytes - kCompBlockBytes) * __popc(mask & ((1u << kC) - 1));
   auto line = [&]<uint32_t kPair>() {
     if constexpr (kPair & 1) rebuild_raw(at, lane, r[kC]);
-    else rebuild_compressed(at, table_at(descs, first + kC), lane, r[kC]);
+    else rebuild_compressed(at, tables(first + kC), lane, r[kC]);
     const uint8_t* next = at + ((kPair & 1) ? kRawBlockBytes : kCompBlockBytes);
     if constexpr (kPair & 2) rebuild_raw(next, lane, r[kC + 1]);
-    else rebuild_compressed(next, table_at(descs, first + kC + 1), lane, r[kC + 1]);
+    else rebuild_compressed(next, tables(first + kC + 1), lane, r[kC + 1]);
   };
   switch ((mask >> kC) & 3u) {
     case 0: if constexpr (kB > 2) line.template operator()<0>(); break;  // a 2-block mix is pattern 1 or 2
@@ -432,7 +450,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // Tile table: records of the warp's tiles, two rounds of 32 (round k in half k % 2). At refresh(k) lane j plans
   // tile 32 k + j from the meta words it started loading at refresh(k - 1), then starts the loads for round k + 1
   // (whose page ids it loaded at refresh(k - 1)) and the page ids of round k + 2: nothing waits on memory.
-  TileRec* table = reinterpret_cast<TileRec*>(smem + C::kPipeBytes + C::kBarBytes) + warp * 64;
+  TileRec<D>* table = reinterpret_cast<TileRec<D>*>(smem + C::kPipeBytes + C::kBarBytes) + warp * 64;
   auto page_id = [&](int i) { return i < n_mine ? __ldg(p.kv_indices + begin + tile_of(i) / tiles_per_page) : -1; };
   Entry<D> pending;
   load_entry<D>(p, head, page_id(lane), tile_of(lane) % tiles_per_page, pending);
@@ -454,7 +472,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   auto fill = [&](int consumed) {  // issue while the next tile fits and a slot is free
     while (issued < n_mine && issued - consumed < kSlots) {
       if (issued / 32 != refreshed) refresh(issued / 32);
-      const TileRec& rec = table[(issued / 32 % 2) * 32 + issued % 32];
+      const TileRec<D>& rec = table[(issued / 32 % 2) * 32 + issued % 32];
       const uint32_t bytes = rec.bytes;
       const int size = static_cast<int>((bytes & 0xFFFFu) + (bytes >> 16));
       const bool wrap = head_at + size > C::kRingBytes;
@@ -488,7 +506,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   if (n_mine > 0) fill(0);
   for (int i = 0; i < n_mine; ++i) {
     // Tile i's record and place in the ring are known before its bytes land: only the shared loads wait for them.
-    const TileRec& rec = table[(i / 32 % 2) * 32 + i % 32];
+    const TileRec<D>& rec = table[(i / 32 % 2) * 32 + i % 32];
     const uint4 descs = rec.descs;
     const uint32_t kinds = rec.kinds, k_bytes = rec.bytes & 0xFFFFu;
     const int size = static_cast<int>(k_bytes + (rec.bytes >> 16));
@@ -508,11 +526,17 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     // all raw) takes a straight line from its start, a mixed one the line of its raw-block pattern, and a refused one
     // (or a mix at d 256) finds each block after the ones before it (raw 1024 bytes, compressed 768, refused 0).
     const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
+    // Block j's table: from the record at d 64 (read where it is used: the record stays until a round later), else
+    // from its descriptor.
+    auto tables = [&](int j) {
+      if constexpr (D == 64) return rec.tables[j];
+      else return table_at(descs, j);
+    };
     auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
       if (tile_comp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
-          rebuild_compressed(stage + kCompBlockBytes * (kv * kB + c), table_at(descs, kv * kB + c), lane, r[c]);
+          rebuild_compressed(stage + kCompBlockBytes * (kv * kB + c), tables(kv * kB + c), lane, r[c]);
         return;
       }
       const uint8_t* base = stage + (kv ? k_bytes : 0u);
@@ -520,22 +544,22 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       if (kind == kAllComp) {
 #pragma unroll
         for (int c = 0; c < kB; ++c)
-          rebuild_compressed(base + kCompBlockBytes * c, table_at(descs, kv * kB + c), lane, r[c]);
+          rebuild_compressed(base + kCompBlockBytes * c, tables(kv * kB + c), lane, r[c]);
       } else if (kind == kAllRaw) {
 #pragma unroll
         for (int c = 0; c < kB; ++c) rebuild_raw(base + kRawBlockBytes * c, lane, r[c]);
       } else if (kPairLines && kind == kMixed) {
         if constexpr (kPairLines) {
           const uint32_t mask = (kinds >> (8 + 8 * kv)) & 0xFFu;
-          rebuild_pair<kB, 0>(mask, base, descs, kv * kB, lane, r);
-          if constexpr (kB == 4) rebuild_pair<kB, 2>(mask, base, descs, kv * kB, lane, r);
+          rebuild_pair<kB, 0>(mask, base, tables, kv * kB, lane, r);
+          if constexpr (kB == 4) rebuild_pair<kB, 2>(mask, base, tables, kv * kB, lane, r);
         }
       } else {
         int off = 0;
 #pragma unroll
         for (int c = 0; c < kB; ++c) {
           const uint8_t desc = desc_at(descs, kv * kB + c);
-          rebuild_any(base + off, desc, table_at(descs, kv * kB + c), lane, r[c]);
+          rebuild_any(base + off, desc, tables(kv * kB + c), lane, r[c]);
           off += block_size(desc);
         }
       }
