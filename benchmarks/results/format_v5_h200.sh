@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Format v5 on the H200 box, 2026-12-02 (torch 2.11.0+cu130): commit a829b2a against v4 (commit 621e3e3, unpacked
-# with `git archive` into .box/int), each built in place in its own tree. Two calls on fresh machines.
+# with `git archive` into .box/int), each built in place in its own tree. Three calls on fresh machines.
 # -> bench_decode_h200.json (v5), bench_decode_v4_h200.json (v4, the same call), bench_format_h200.json (v5),
 #    gpu_h200/tests_v5.log (v5's GPU tests).
 set -uo pipefail
@@ -23,3 +23,11 @@ PYTHONPATH=$V5 timeout 200 python3 benchmarks/bench_decode.py --out /tmp/v5 --it
 PYTHONPATH=$V5 timeout 90 python3 benchmarks/bench_format.py --out /tmp/f5 2>&1 | tee "$OUT/bench_format_v5.log" | tail -4
 cp /tmp/v5/bench_decode.json "$OUT/bench_decode_h200.json"; cp /tmp/v4/bench_decode.json "$OUT/bench_decode_v4_h200.json"
 cp /tmp/f5/bench_format.json "$OUT/bench_format_h200.json"
+
+# call 3, commit 9f3d32d (decode v18: d 64's block tables planned into the tile record), against v4 again:
+# -> bench_decode_v18_h200.json, bench_decode_v18_v4_h200.json, gpu_h200/tests_v18.log
+CASES=smollm2:8192:64,llama:8192:64,llama:2048:32
+PYTHONPATH=$V5 timeout 120 python3 -m pytest -q -p no:cacheprovider test/test_decode_cuda.py test/test_adversarial_format.py test/test_decode.py test/test_meta_tag.py 2>&1 | tee "$OUT/tests_v18.log" | tail -3
+PYTHONPATH=$V5 timeout 100 python3 benchmarks/bench_decode.py --out /tmp/v5 --iters 60 --cases $CASES 2>&1 | tee "$OUT/bench_decode_v18.log" | tail -4
+(cd .box/int && PYTHONPATH=$V4 timeout 100 python3 benchmarks/bench_decode.py --out /tmp/v4 --iters 60 --cases $CASES 2>&1 | tee "$OUT/bench_decode_v4.log" | tail -4)
+cp /tmp/v5/bench_decode.json "$OUT/bench_decode_v18_h200.json"; cp /tmp/v4/bench_decode.json "$OUT/bench_decode_v18_v4_h200.json"
