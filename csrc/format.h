@@ -20,7 +20,7 @@
 // p = e >> 1 (the exponent pair). A compressed block stores, per value, the sign and a 3-bit code d that indexes the
 // block's table of 8 pairs, given by its descriptor (code_table):
 //   12-bit      (descriptor b/2, 0..127): b = (min e) & ~1, every e <= b + 15; table b/2 + 0 .. b/2 + 7, d = p - b/2
-//               (b/2 + 7 <= 127 needs no check: it is the pair of the largest exponent).
+//               (entries past pair 127, where b/2 > 120, are codes no value takes).
 //   zero-aware  (descriptor 0x80 | b/2, b/2 in 1..120; format version 5): values with e <= 1 (+-0 and subnormals, which
 //               BF16 RoPE makes in K) take d = 7, table entry 0; the others need b = (min of their e) & ~1 >= 2,
 //               every e <= b + 13 and b/2 <= 120; table b/2 + 0 .. b/2 + 6, 0.
@@ -56,8 +56,8 @@
 //           a call with the wrong page_size or head_dim (whose meta row width can come out the same) or a row of
 //           another format version is an error, never neighbouring bytes read as tokens.
 //   bytes 8.. (words 2..): one descriptor byte per block: 0..127 = 12-bit with base b/2, 0x80 = raw,
-//   0x81..0xF8 = zero-aware with base b/2 = desc & 0x7F; 0xF9..0xFF are invalid; padding bytes are 0. The byte offset of
-//   block i inside its stream is 768 i + 256 * (raw blocks before i).
+//   0x81..0xF8 = zero-aware with base b/2 = desc & 0x7F; 0xF9..0xFF are invalid; padding bytes are 0. The byte
+//   offset of block i inside its stream is 768 i + 256 * (raw blocks before i).
 #pragma once
 
 #include <cstdint>

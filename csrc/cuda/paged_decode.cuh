@@ -21,11 +21,11 @@
 //     P^T is S^T's accumulators in bf16, moved into B-operand order by two movmatrix.trans per tile.
 // A lane's 16 values of a block are 16 low bytes + 8 code bytes (compressed) or two 16-byte pieces 512 bytes apart
 // (raw); they rebuild into 8 bf16x2 registers in position order with 2 code decodes (format.h decode_high_bytes: 2
-// table permutes each) and 8 byte permutes, or are those registers as loaded. Position order is A-operand register order (format v3), so
-// each group of four words is one mma's A operand as it stands. Both kinds of compressed block (12-bit and
-// zero-aware, format v5) take the same rebuild: a byte permute of the block's 8-entry table (two words made from its
-// descriptor) per 4 values, so no branch in the tile loop depends on the kind; the tile plan counts raw blocks as
-// descriptors equal to 0x80 (raw_desc_bytes).
+// table permutes each) and 8 byte permutes, or are those registers as loaded. Position order is A-operand register
+// order (format v3), so each group of four words is one mma's A operand as it stands. Both kinds of compressed block
+// (12-bit and zero-aware, format v5) take the same rebuild: a byte permute of the block's 8-entry table (two words
+// made from its descriptor) per 4 values, so no branch in the tile loop depends on the kind; the tile plan counts raw
+// blocks as descriptors equal to 0x80 (raw_desc_bytes).
 //
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
 // out of range, a missing stream, a meta row tagged with another geometry or format version, an invalid descriptor,
@@ -174,7 +174,7 @@ __device__ __forceinline__ uint32_t raw_desc_bytes(uint32_t x) {
 // The lane's 16 values of a block (at `block` in shared memory, stored as in global memory) as 8 bf16x2 registers
 // in position order. Every load below is conflict-free: 16 bytes per lane at a 16-byte stride (or 8 at 8).
 // Compressed: 16 low bytes at 16 lane and 8 code bytes at 512 + 8 lane.
-// The block's table (t0, t1: format.h code_table) comes from table_at.
+// The block's table (t0, t1: format.h code_table) comes from table_at or, at d 64, from the tile record.
 __device__ __forceinline__ void rebuild_compressed(const uint8_t* block, const uint2& table, int lane, uint32_t r[8]) {
   decode_lane(*reinterpret_cast<const uint4*>(block + 16 * lane),
               *reinterpret_cast<const uint2*>(block + kLowBytes + 8 * lane), table.x, table.y, r);
@@ -258,9 +258,9 @@ __device__ __forceinline__ void load_entry(const Params& p, int head, int32_t pa
 // d 256, the general rebuild that finds each block after the ones before it.
 constexpr uint32_t kAllComp = 1, kAllRaw = 2, kMixed = 3;
 
-// A tile planned for issue, 32 bytes in the warp's tile table: descriptors (kDescBad for a refused stream), where
-// its K and V bytes are, how many, and each stream's kind (bits 0-1 K, 2-3 V; 0: refused) and raw-block mask (bits
-// 8-15 K, 16-23 V).
+// A tile planned for issue, 32 bytes in the warp's tile table (64 at d 64, below): descriptors (kDescBad for a
+// refused stream), where its K and V bytes are, how many, and each stream's kind (bits 0-1 K, 2-3 V; 0: refused) and
+// raw-block mask (bits 8-15 K, 16-23 V).
 struct TileRecBase {
   uint4 descs;       // K descriptor bytes, then V's
   uint32_t src[2];   // K, V byte offsets in data / 256
@@ -351,7 +351,7 @@ __device__ __forceinline__ uint8_t desc_at(const uint4& d, int j) {
   return static_cast<uint8_t>(w >> (8 * (j % 4)));
 }
 
-// format.h code_table(desc_at(d, j)) in four instructions instead of seven (j is a constant in every caller): two byte
+// format.h code_table(desc_at(d, j)) in five instructions instead of seven (j is a constant in every caller): two byte
 // permutes broadcast descriptor j into all four bytes and its zero-aware bit 7 into byte 3's mask.
 __device__ __forceinline__ uint2 table_at(const uint4& d, int j) {
   const uint32_t w = j < 4 ? d.x : j < 8 ? d.y : j < 12 ? d.z : d.w;
