@@ -13,7 +13,10 @@ its structure; each block takes the cheapest mode of the candidate's set that ho
 - 12t / 11t / 10t: the 3-, 2- or 1-bit code indexes a table of 8, 4 or 2 exponent pairs (e >> 1) kept with the
   block (784, 720, 656 bytes): any block with that few distinct pairs fits (zeros, outliers, gaps);
 - escapes (+esc k): a block may also take a mode with up to k values outside its window, each stored as 4 bytes
-  (position, high byte) after the block, rounded up to 16 bytes.
+  (position, high byte) after the block, rounded up to 16 bytes;
+- per-lane 11 / 12: each lane's 16 values take 2-bit codes where they span <= 4 pair levels, 3-bit otherwise, with
+  a header per block for the lanes' modes and windows; and fixed-rate floors: an ideal mixed-radix code of each
+  group's pair levels (a block, a lane, a code word), with and without the header that places them.
 Metadata: v4's 8-byte row header (offset, tag) + one descriptor byte per block, per stream, words of 4. "entropy" is
 the order-0 entropy of the high byte of each block (sign + exponent) plus the 8 verbatim low bits: a floor for any
 coder that keeps the low byte verbatim.
@@ -84,6 +87,17 @@ def escapes_needed(e: np.ndarray, span: int, zeros: bool) -> np.ndarray:
         inside = csum[:, min(256, b + span)] - csum[:, b]
         best = np.minimum(best, total - inside)
     return best.reshape(e.shape[:-1])
+
+
+def pair_levels(e: np.ndarray, group: int) -> np.ndarray:
+    """int [..., 512 / group]: how many code levels each group of `group` consecutive positions needs when it codes
+    its exponent pairs (e >> 1) from its smallest to its largest, values with e <= 1 (zeros, subnormals) as one more
+    level."""
+    z = (e <= 1).reshape(*e.shape[:-1], -1, group)
+    p = (e >> 1).reshape(*e.shape[:-1], -1, group)
+    lo = np.where(z, 1 << 20, p).min(-1)
+    hi = np.where(z, -1, p).max(-1)
+    return np.where(hi < 0, 0, hi - np.minimum(lo, hi) + 1) + z.any(-1)
 
 
 def entropy_bytes(v: np.ndarray) -> np.ndarray:
@@ -201,6 +215,35 @@ def main() -> None:
         "ratio_with_meta": float((hb.sum() + meta_bytes + hb.size) / raw_bytes),
         "K": float(hb[:, :, 0].sum() / (v[:, :, 0].size * 2)), "V": float(hb[:, :, 1].sum() / (v[:, :, 1].size * 2)),
         "block_sizes": {int(x): float(c / half_best.size) for x, c in zip(*np.unique(half_best, return_counts=True))}}
+    # Fixed-rate floors: each group of positions (a block, a lane's 16, a code word's 8) codes its pair levels in
+    # log2(levels) bits a value (an ideal mixed-radix code), plus sign and low byte; "+ header" adds the fewest bits
+    # that say which levels a group uses inside its block's (log2 of the (first, count) choices: B (B + 1) / 2 for a
+    # block of B levels). No fixed-rate code at that granularity, whatever its kernel, stores less.
+    def per_kv(best):
+        return (float(best[:, :, 0].sum() / (v[:, :, 0].size * 2)), float(best[:, :, 1].sum() / (v[:, :, 1].size * 2)))
+
+    block_levels = np.maximum(pair_levels(e, 512), 1)
+    for group, label in ((512, "a block"), (16, "a lane's 16 values"), (8, "a code word's 8 values")):
+        lev = pair_levels(e, group)
+        best = (group * np.minimum(16.0, 9 + np.log2(np.maximum(lev, 1))) / 8).sum(-1)
+        header = 0 if group == 512 else (512 // group) * np.log2(block_levels * (block_levels + 1) / 2)[..., 0] / 8
+        for name, b in (("", best), (" + header", best + header)):
+            k, vv = per_kv(b)
+            candidates[f"fixed-rate floor, levels per {label}{name}"] = {
+                "ratio_with_meta": float((b.sum() + meta_bytes) / raw_bytes), "K": k, "V": vv,
+                "groups_within_4_levels": float((lev <= 4).mean())}
+            if group == 512:
+                break
+    # Per-lane 11/12: a lane whose pairs span <= 4 levels takes 2-bit codes (11 bits a value), others 3-bit (12) in a
+    # block that fits 8 levels (raw otherwise); the lane's mode and window offset need a header (4 bits a lane: 16
+    # bytes a block; 8 if packed tighter), and code sizes vary by lane (offsets by ballot + popc).
+    lane_lev, block_lev = pair_levels(e, 16), pair_levels(e, 512)[..., 0]
+    lane_bytes = np.where(lane_lev <= 4, 22, 24).sum(-1)
+    for header in (0, 8, 16):
+        best = np.where(block_lev <= 8, lane_bytes + header, 1024)
+        k, vv = per_kv(best)
+        candidates[f"per-lane 11 / 12 + {header}-byte header"] = {
+            "ratio_with_meta": float((best.sum() + meta_bytes) / raw_bytes), "K": k, "V": vv}
     ent = entropy_bytes(v)
     candidates["entropy floor (order 0, high byte)"] = {
         "ratio_with_meta": float((ent.sum() + meta_bytes) / raw_bytes),
