@@ -213,8 +213,13 @@ ZIPKV_HD uint32_t take_signs(uint32_t x, uint32_t y) {
 // 4..7 in *h1 (byte j = position j).
 ZIPKV_HD void decode_high_bytes(uint32_t w, uint32_t t0, uint32_t t1, uint32_t* h0, uint32_t* h1) {
   const uint32_t sel = w & 0x77777777u;
+#if defined(__CUDA_ARCH__)
+  const uint32_t sel_hi = __umulhi(sel, 0x10000u);  // sel >> 16 on the multiply pipe: the rest is on the integer one
+#else
+  const uint32_t sel_hi = sel >> 16;
+#endif
   *h0 = take_signs(byte_select(t0, t1, sel), w);
-  *h1 = take_signs(byte_select(t0, t1, sel >> 16), w << 4);
+  *h1 = take_signs(byte_select(t0, t1, sel_hi), w << 4);
 }
 
 // Byte offset of block i inside a stream whose descriptors are desc[0..].
