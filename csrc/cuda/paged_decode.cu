@@ -119,8 +119,10 @@ double wave_time(const Shape& x, int splits, int warps) {
 // waves of 6-warp CTAs (over more, uneven finishing blurs the waves and the two layouts measured the same).
 Plan plan_decode(const Shape& x) {
   const Plan four{plan_splits(x), 4};
-  if (!decode::has_six_warps(x.head_dim, x.group)) return four;
   const int64_t sms = num_sms(x.device);
+  if (decode::has_five_warps(x.head_dim, x.group))
+    return x.ctas * four.splits <= sms * occupancy(x.head_dim, x.group, 5) ? Plan{four.splits, 5} : four;
+  if (!decode::has_six_warps(x.head_dim, x.group)) return four;
   if (x.ctas <= sms * occupancy(x.head_dim, x.group, 4) || x.ctas > 2 * sms * occupancy(x.head_dim, x.group, 6))
     return four;
   return wave_time(x, 1, 6) * (1.0 + kSixGain) < wave_time(x, four.splits, 4) ? Plan{1, 6} : four;

@@ -88,7 +88,7 @@ struct Cfg {
   static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
-  static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
+  static constexpr int kBarBytes = (kWarps * kSlots * 8 + 15) / 16 * 16;  // one mbarrier per warp and slot
   static constexpr int kSmemBytes = kPipeBytes + kBarBytes + kTableBytes;
   static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
   static_assert(kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
@@ -812,6 +812,7 @@ __global__ void __launch_bounds__(32 * kMergeRows) merge_splits_kernel(const Par
 // d 128 with one head tile also comes as 2 CTAs of 6 warps per SM: the same 12 warps and ring bytes per SM as 3 CTAs
 // of 4, in fewer, larger CTAs, which the plan takes when they fill the SMs' slots more evenly.
 constexpr bool has_six_warps(int head_dim, int group) { return head_dim == 128 && group <= 8; }
+constexpr bool has_five_warps(int head_dim, int group) { return head_dim == 64 && group <= 8; }
 
 // Host side, one instantiation per head_dim (paged_decode_hd*.cu): occupancy of the kernel, and the launches.
 // warps: 4, or 6 where has_six_warps; other values mean 4.

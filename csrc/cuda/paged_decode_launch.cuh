@@ -54,6 +54,9 @@ auto dispatch(int group, int warps, F&& f) {
   if constexpr (D == 128) {
     if (warps == 6 && has_six_warps(D, group)) return f.template operator()<1, 2, 6>();
   }
+  if constexpr (D == 64) {
+    if (warps == 5 && has_five_warps(D, group)) return f.template operator()<1, 3, 5>();
+  }
   return group > 8 ? f.template operator()<2, kTwo, 4>() : f.template operator()<1, kOne, 4>();
 }
 
