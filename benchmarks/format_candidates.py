@@ -139,9 +139,9 @@ def main() -> None:
     }
     esc = {(span, z): escapes_needed(e, span, z) for span, z in ((16, False), (14, True), (8, False), (6, True))}
 
-    def esc_mode(size, span, z, k, each=4):
+    def esc_mode(size, span, z, k, each=4, unit=16):
         need = esc[(span, z)]
-        extra = np.where(need > 0, -(-each * need // 16) * 16, 0)
+        extra = np.where(need > 0, -(-each * need // unit) * unit, 0)
         return np.where(need <= k, size + extra, 1 << 20)
 
     def evaluate(names, esc_modes=()):
@@ -182,6 +182,12 @@ def main() -> None:
         candidates[f"11 + 12 + 12z, <= {k} escapes of 2 bytes"] = evaluate(
             ["raw", "12", "12z"], [(704, 8, False, k, 2), (704, 6, True, k, 2), (768, 16, False, k, 2),
                                    (768, 14, True, k, 2)])
+    # The same lists packed: a block ends on a 2- or 4-byte boundary instead of 16 (block offsets then need that
+    # granularity, and a stream's bulk copy its own 16-byte padding, not counted here).
+    for unit in (2, 4):
+        candidates[f"11 + 12 + 12z, <= 32 escapes of 2 bytes, blocks in {unit}-byte units"] = evaluate(
+            ["raw", "12", "12z"], [(704, 8, False, 32, 2, unit), (704, 6, True, 32, 2, unit),
+                                   (768, 16, False, 32, 2, unit), (768, 14, True, 32, 2, unit)])
     # A table of the 4 most frequent exponent pairs (2-bit codes; 4 bytes of table) + 2-byte escapes for the rest.
     pairs = e >> 1
     counts = np.stack([(pairs == x).sum(-1) for x in range(128)], -1)
