@@ -182,8 +182,8 @@ def main() -> None:
         candidates[f"11 + 12 + 12z, <= {k} escapes of 2 bytes"] = evaluate(
             ["raw", "12", "12z"], [(704, 8, False, k, 2), (704, 6, True, k, 2), (768, 16, False, k, 2),
                                    (768, 14, True, k, 2)])
-    # The same lists packed: a block ends on a 2- or 4-byte boundary instead of 16 (block offsets then need that
-    # granularity, and a stream's bulk copy its own 16-byte padding, not counted here).
+    # The same lists packed: a block ends on a 2- or 4-byte boundary instead of 16. A byte count only: the next block
+    # then starts where 16-byte lane loads and bulk copies cannot read it (the page-end layout below keeps it aligned).
     for unit in (2, 4):
         candidates[f"11 + 12 + 12z, <= 32 escapes of 2 bytes, blocks in {unit}-byte units"] = evaluate(
             ["raw", "12", "12z"], [(704, 8, False, 32, 2, unit), (704, 6, True, 32, 2, unit),
