@@ -144,6 +144,13 @@ def main() -> None:
         extra = np.where(need > 0, -(-each * need // unit) * unit, 0)
         return np.where(need <= k, size + extra, 1 << 20)
 
+    def kv_ratios(best, total_bytes=None) -> dict:
+        """ratio_with_meta of total_bytes (default: the blocks' bytes) plus the metadata; K's and V's blocks alone."""
+        total = best.sum() if total_bytes is None else total_bytes
+        return {"ratio_with_meta": float((total + meta_bytes) / raw_bytes),
+                "K": float(best[:, :, 0].sum() / (v[:, :, 0].size * 2)),
+                "V": float(best[:, :, 1].sum() / (v[:, :, 1].size * 2))}
+
     def evaluate(names, esc_modes=()):
         best = np.full(e.shape[:-1], 1 << 20)
         for name in names:
@@ -151,11 +158,9 @@ def main() -> None:
             best = np.where(fits, np.minimum(best, size), best)
         for m in esc_modes:
             best = np.minimum(best, esc_mode(*m))
-        per_kv = [(best[:, :, s].sum() * 1.0) / (v[:, :, s].size * 2) for s in range(2)]
-        total = (best.sum() + meta_bytes) / raw_bytes
         sizes, counts = np.unique(best, return_counts=True)
         used = {int(s): float(c / best.size) for s, c in zip(sizes, counts)}  # block bytes: fraction of blocks
-        return {"ratio_with_meta": float(total), "K": float(per_kv[0]), "V": float(per_kv[1]), "block_sizes": used}
+        return {**kv_ratios(best), "block_sizes": used}
 
     candidates = {
         "v3 (12, raw)": evaluate(["raw", "12"]),
@@ -201,9 +206,7 @@ def main() -> None:
                                    np.minimum(t, total))
     page_bytes = fixed.sum(axis=(2, 3, 4)) + -(-esc_bytes.sum(axis=(2, 3, 4)) // 16) * 16
     candidates["11 + 12 + 12z, <= 32 escapes of 2 bytes, lists at the page's end"] = {
-        "ratio_with_meta": float((page_bytes.sum() + meta_bytes) / raw_bytes),
-        "K": float(total[:, :, 0].sum() / (v[:, :, 0].size * 2)), "V": float(total[:, :, 1].sum() / (v[:, :, 1].size * 2)),
-        "escaped_blocks": float((esc_bytes > 0).mean()), "mean_escapes_per_block": float(esc_bytes.mean() / 2)}
+        **kv_ratios(total, page_bytes.sum()), "escaped_blocks": float((esc_bytes > 0).mean()), "mean_escapes_per_block": float(esc_bytes.mean() / 2)}
     # A table of the 4 most frequent exponent pairs (2-bit codes; 4 bytes of table) + 2-byte escapes for the rest.
     pairs = e >> 1
     counts = np.stack([(pairs == x).sum(-1) for x in range(128)], -1)
@@ -219,10 +222,7 @@ def main() -> None:
             best = np.minimum(best, esc_mode(*m))
         best = np.minimum(best, t_size)
         candidates[f"11t (top-4 table) + 11 + 12 + 12z, <= {k} escapes of 2 bytes"] = {
-            "ratio_with_meta": float((best.sum() + meta_bytes) / raw_bytes),
-            "K": float(best[:, :, 0].sum() / (v[:, :, 0].size * 2)),
-            "V": float(best[:, :, 1].sum() / (v[:, :, 1].size * 2)),
-            "block_sizes": {int(x): float(c / best.size) for x, c in zip(*np.unique(best, return_counts=True))}}
+            **kv_ratios(best), "block_sizes": {int(x): float(c / best.size) for x, c in zip(*np.unique(best, return_counts=True))}}
     # Half blocks (256 values: one 16-dim half, one mma A operand per lane): each half its own mode and base.
     halves = e.reshape(*e.shape[:-1], 32, 2, 8).swapaxes(-3, -2).reshape(*e.shape[:-1], 2, 256)
     half_best = np.full(halves.shape[:-1], 1 << 20)
@@ -234,26 +234,19 @@ def main() -> None:
         half_best = np.where(fits, np.minimum(half_best, size), half_best)
     hb = half_best.sum(-1)
     candidates["half blocks: 11 + 11z + 12 + 12z (2 descriptors a block)"] = {
-        "ratio_with_meta": float((hb.sum() + meta_bytes + hb.size) / raw_bytes),
-        "K": float(hb[:, :, 0].sum() / (v[:, :, 0].size * 2)), "V": float(hb[:, :, 1].sum() / (v[:, :, 1].size * 2)),
-        "block_sizes": {int(x): float(c / half_best.size) for x, c in zip(*np.unique(half_best, return_counts=True))}}
+        **kv_ratios(hb, hb.sum() + hb.size), "block_sizes": {int(x): float(c / half_best.size) for x, c in zip(*np.unique(half_best, return_counts=True))}}
     # Fixed-rate floors: each group of positions (a block, a lane's 16, a code word's 8) codes its pair levels in
     # log2(levels) bits a value (an ideal mixed-radix code), plus sign and low byte; "+ header" adds the fewest bits
     # that say which levels a group uses inside its block's (log2 of the (first, count) choices: B (B + 1) / 2 for a
     # block of B levels). No fixed-rate code at that granularity, whatever its kernel, stores less.
-    def per_kv(best):
-        return (float(best[:, :, 0].sum() / (v[:, :, 0].size * 2)), float(best[:, :, 1].sum() / (v[:, :, 1].size * 2)))
-
     block_levels = np.maximum(pair_levels(e, 512), 1)
     for group, label in ((512, "a block"), (16, "a lane's 16 values"), (8, "a code word's 8 values")):
         lev = pair_levels(e, group)
         best = (group * np.minimum(16.0, 9 + np.log2(np.maximum(lev, 1))) / 8).sum(-1)
         header = 0 if group == 512 else (512 // group) * np.log2(block_levels * (block_levels + 1) / 2)[..., 0] / 8
         for name, b in (("", best), (" + header", best + header)):
-            k, vv = per_kv(b)
             candidates[f"fixed-rate floor, levels per {label}{name}"] = {
-                "ratio_with_meta": float((b.sum() + meta_bytes) / raw_bytes), "K": k, "V": vv,
-                "groups_within_4_levels": float((lev <= 4).mean())}
+                **kv_ratios(b), "groups_within_4_levels": float((lev <= 4).mean())}
             if group == 512:
                 break
     # Per-lane 11/12: a lane whose pairs span <= 4 levels takes 2-bit codes (11 bits a value), others 3-bit (12) in a
@@ -263,13 +256,9 @@ def main() -> None:
     lane_bytes = np.where(lane_lev <= 4, 22, 24).sum(-1)
     for header in (0, 8, 16):
         best = np.where(block_lev <= 8, lane_bytes + header, 1024)
-        k, vv = per_kv(best)
-        candidates[f"per-lane 11 / 12 + {header}-byte header"] = {
-            "ratio_with_meta": float((best.sum() + meta_bytes) / raw_bytes), "K": k, "V": vv}
+        candidates[f"per-lane 11 / 12 + {header}-byte header"] = kv_ratios(best)
     ent = entropy_bytes(v)
-    candidates["entropy floor (order 0, high byte)"] = {
-        "ratio_with_meta": float((ent.sum() + meta_bytes) / raw_bytes),
-        "K": float(ent[:, :, 0].sum() / (v[:, :, 0].size * 2)), "V": float(ent[:, :, 1].sum() / (v[:, :, 1].size * 2))}
+    candidates["entropy floor (order 0, high byte)"] = kv_ratios(ent)
     print(f"SmolLM2 real KV {shape}: {e.shape[:-1]} blocks; metadata {meta_bytes / raw_bytes:.4f} of BF16")
     print(f"{'candidate':40} {'K+V+meta':>9} {'K':>7} {'V':>7}  fraction of blocks by size (bytes)")
     for name, r in candidates.items():

@@ -269,7 +269,7 @@ struct TileRecBase {
 };
 // At d 64 the record also holds the tables of the tile's 4 blocks (K's two, then V's: format.h code_table), made once
 // by the planning lane instead of by every lane at every block (table_at): a d-64 tile brings half the bytes of a
-// d-128 one for the same per-tile work, so there the kernel is bound by instruction issue (decode-kernel.md, v18).
+// d-128 one for the same per-tile work, so there each instruction on a warp's path shows (decode-kernel.md, v18).
 template <int D>
 struct TileRec : TileRecBase {};
 template <>
