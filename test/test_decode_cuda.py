@@ -94,18 +94,26 @@ def test_every_raw_block_pattern_of_a_stream(gen, head_dim, group):
     check(out_g, lse_g, out_c, ref, ref_lse)
 
 
-def test_all_raw_and_all_compressed_give_identical_bits(gen):
-    """The same values stored raw or compressed rebuild to the same registers: outputs agree bit for bit."""
-    kv = compressible_kv(30, 16, 4, 128, gen)
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
+def test_raw_compressed_and_mixed_storage_give_identical_bits(gen, head_dim):
+    """The same values stored raw, compressed, or page by page either way rebuild to the same registers, whichever
+    path a tile takes (alone, or at d 64 paired with the warp's next tile when both are of one kind): outputs agree
+    bit for bit."""
+    kv = compressible_kv(30, 16, 4, head_dim, gen)
     indptr, indices, last = page_table([300, 77, 33], 16, 30, gen, device="cuda")
-    q = torch.randn(3, 16, 128, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(3, 16, head_dim, generator=gen).to(torch.bfloat16).cuda()
     comp = torch_zipkv.compress(kv.cuda())
     raw = torch_zipkv.compress(kv.cuda(), allow_compress=False)
+    mixed_cpu = store(kv, torch.rand(30, generator=gen) < 0.5)
+    mixed = torch_zipkv.CompressedKV(mixed_cpu.data.cuda(), mixed_cpu.meta.cuda(), 16, head_dim)
     assert comp.compressed_block_fraction == 1.0 and raw.compressed_block_fraction == 0.0
+    assert 0.2 < mixed.compressed_block_fraction < 0.8
     out_comp = torch_zipkv.paged_decode(q, comp, indptr, indices, last)
     out_raw = torch_zipkv.paged_decode(q, raw, indptr, indices, last)
+    out_mixed = torch_zipkv.paged_decode(q, mixed, indptr, indices, last)
     assert torch.equal(out_comp.view(torch.int16), out_raw.view(torch.int16))
-    ref, _ = reference.decode_attention(q.cpu(), kv, indptr.cpu(), indices.cpu(), last.cpu(), 1 / math.sqrt(128))
+    assert torch.equal(out_comp.view(torch.int16), out_mixed.view(torch.int16))
+    ref, _ = reference.decode_attention(q.cpu(), kv, indptr.cpu(), indices.cpu(), last.cpu(), 1 / math.sqrt(head_dim))
     assert rel_err(out_comp, ref) < 1e-2
 
 
@@ -165,7 +173,7 @@ def test_six_warp_ctas(gen, group):
 def test_decode_plan_layouts():
     """Only d 128 with one MMA head tile (group <= 8) has 6-warp CTAs; an empty batch launches nothing."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for D, group, residency in ((64, 3, 4), (256, 2, 1), (128, 12, 2), (128, 16, 2)):
+    for D, group, residency in ((64, 3, 3), (64, 12, 4), (256, 2, 1), (128, 12, 2), (128, 16, 2)):
         for batch in (1, 100, 4 * sms // 2, 1000):
             plan = plan_of(batch, 2 * group, 2, D, batch * 128)
             assert plan["warps_per_cta"] == 4 and plan["ctas_per_sm"] == residency, (D, group, batch, plan)

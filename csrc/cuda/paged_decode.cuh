@@ -5,7 +5,8 @@
 // Work split: one CTA per (request, kv head, split). Its warps (4; 6 in d 128's variant of 2 CTAs per SM, which the
 // plan takes where 4-warp CTAs would end in a partial wave) take the split's 16-token tiles round-robin; each warp runs
 // its own pipeline through a byte ring in shared memory and its own online softmax; the warps' states merge in shared
-// memory at the end. A tile's K blocks are contiguous in their stream, and so are its V blocks, so one lane moves a
+// memory at the end. At d 64 a warp takes two of its all-compressed tiles at once where it can (two rebuild chains to
+// issue from). A tile's K blocks are contiguous in their stream, and so are its V blocks, so one lane moves a
 // whole tile with two bulk copies (TMA, cp.async.bulk) completing on the tile's mbarrier.
 //
 // Page ids and meta rows are fetched long before use: once per round of 32 tiles each lane plans one tile of the
@@ -398,6 +399,9 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // A tile's ring bytes are released once its V is in registers, before the softmax and PV. V then stays live
   // across them, which spills with two head tiles at d 64 (128 registers) and d 256: those release after PV.
   constexpr bool kEarlyRelease = kN == 1 || D == 128;
+  // Pairs of all-compressed tiles in one straight line (below) at d 64 with one head tile, where one tile's rebuild
+  // chain leaves the warps stalled (v21). d 128 waits on memory instead, and has no registers to spare.
+  constexpr bool kPairTiles = D == 64 && kN == 1;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // The split merge (a programmatic dependent launch) may be scheduled once every CTA of this grid has started; it
@@ -503,6 +507,91 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     for (int j = 0; j < 2; ++j) m_run[n][j] = -INFINITY, l_run[n][j] = 0.f;
   bool refused = false;  // a block of the request was refused: its out and lse become NaN
 
+  // Block j's table: from the record at d 64 (read where it is used: the record stays until a round later), else
+  // from its descriptor.
+  auto tables_of = [](const TileRec<D>& rec, const uint4& descs, int j) {
+    if constexpr (D == 64) return rec.tables[j];
+    else return table_at(descs, j);
+  };
+
+  // Softmax and PV of one tile whose S^T (st: the sum of its two halves' accumulators) and V registers are ready;
+  // tokens outside [lo, valid) of the tile weigh 0.
+  auto attend = [&](const float (&st)[kN][4], const uint32_t (&vr)[kB][8], int valid, int lo) {
+    // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its running max m_run. A tile
+    // whose logits all stay within kMaxSlack of m_run is weighed against the stale m_run as it is: its weights stay
+    // below 2^kMaxSlack (as exact in float32 and bf16 as weights below 1), so it needs no cross-lane max and no
+    // rescale of O. Only a tile where some lane's logit passes m_run + kMaxSlack (a head's first tile, rarely a later
+    // one) takes the full update: the max over the head's lanes, then l and O rescaled to it.
+    const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
+    float x[kN][4];
+    if (p.cap_log2 > 0.f) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[n][j] = p.cap_log2 * tanhf(st[n][j] * p.scale_cap);
+    } else {
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[n][j] = st[n][j] * p.scale_log2;
+    }
+    bool grow = false;
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        x[n][j] = keep_lo ? x[n][j] : -INFINITY;
+        x[n][2 + j] = keep_hi ? x[n][2 + j] : -INFINITY;
+        grow |= fmaxf(x[n][j], x[n][2 + j]) > m_run[n][j] + kMaxSlack;  // m_run = -inf: any kept token
+      }
+    if (__any_sync(0xFFFFFFFFu, grow)) {
+      float alpha[kN][2];
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float mx = fmaxf(x[n][j], x[n][2 + j]);
+          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+          const float m_new = fmaxf(m_run[n][j], mx);
+          alpha[n][j] = m_new == m_run[n][j] ? 1.f : exp2_approx(m_run[n][j] - m_new);  // m_run = -inf: 0
+          l_run[n][j] *= alpha[n][j];
+          m_run[n][j] = m_new;
+        }
+#pragma unroll
+      for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
+    }
+    uint32_t pb[kN][2];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float m_use = m_run[n][j] == -INFINITY ? 0.f : m_run[n][j];  // all masked so far: avoid -inf - -inf
+        x[n][j] = exp2_approx(x[n][j] - m_use);
+        x[n][2 + j] = exp2_approx(x[n][2 + j] - m_use);
+        l_run[n][j] += x[n][j] + x[n][2 + j];
+      }
+      // P^T for the PV product: tokens 2t, 2t + 1 (then 2t + 8, 2t + 9) of head 8 n + g.
+      pb[n][0] = transpose8x8(pack_bf16(x[n][0], x[n][1]));
+      pb[n][1] = transpose8x8(pack_bf16(x[n][2], x[n][3]));
+    }
+
+    // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are, in order, the A registers of its 16-dim tile 2 c + h
+    // (dims 32 c + 16 h + g, then + 8, of tokens 2t.., then 2t + 8..).
+#pragma unroll
+    for (int c = 0; c < kB; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+          mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 1], vr[c][4 * h + 2], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
+  };
+
   if (n_mine > 0) fill(0);
   for (int i = 0; i < n_mine; ++i) {
     // Tile i's record and place in the ring are known before its bytes land: only the shared loads wait for them.
@@ -513,6 +602,67 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     const bool wrap = tail_at + size > C::kRingBytes;
     const int start = wrap ? 0 : tail_at;
     const uint8_t* stage = ring + start;
+    // Two tiles at once where both are all compressed and full and the second is already issued: one straight line
+    // rebuilds and multiplies both, so each warp has two independent rebuild chains to issue from (d 64's warps stall
+    // on one chain's latency: docs/decode-kernel.md, v18-v21), and the pair costs one release. Softmax and PV still
+    // run tile by tile, in order, so the result is bit for bit the single-tile loop's. (All-raw pairs as well made
+    // raw pages 1-3% faster and compressed ones up to 10% slower than this: v21.)
+    if constexpr (kPairTiles) {
+      constexpr uint32_t kTileComp = kAllComp | kAllComp << 2;
+      const TileRec<D>& rec_b = table[((i + 1) / 32 % 2) * 32 + (i + 1) % 32];
+      if (i + 1 < issued && kinds == kTileComp && rec_b.kinds == kTileComp &&
+          seq_len - int64_t{kTileTokens} * tile_of(i + 1) >= kTileTokens &&
+          (tile_of(i) != first_tile || first % kTileTokens == 0)) {
+        const int size_b = static_cast<int>((rec_b.bytes & 0xFFFFu) + (rec_b.bytes >> 16));
+        const bool wrap_b = start + size + size_b > C::kRingBytes;
+        const int start_b = wrap_b ? 0 : start + size;
+        const uint8_t* stage_b = ring + start_b;
+        mbar_wait(bars + 8 * (i % kSlots), (i / kSlots) & 1);
+        mbar_wait(bars + 8 * ((i + 1) % kSlots), ((i + 1) / kSlots) & 1);
+        // Block j (K's, then V's) of both tiles.
+        auto rebuild2 = [&](int j, uint32_t (&ra)[8], uint32_t (&rb)[8]) {
+          rebuild_compressed(stage + kCompBlockBytes * j, tables_of(rec, descs, j), lane, ra);
+          rebuild_compressed(stage_b + kCompBlockBytes * j, tables_of(rec_b, rec_b.descs, j), lane, rb);
+        };
+        uint32_t ka[kB][8], kb[kB][8];
+#pragma unroll
+        for (int c = 0; c < kB; ++c) rebuild2(c, ka[c], kb[c]);
+        float sa[kN][4], sa2[kN][4], sb[kN][4], sb2[kN][4];
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sa[n][j] = 0.f, sa2[n][j] = 0.f, sb[n][j] = 0.f, sb2[n][j] = 0.f;
+#pragma unroll
+        for (int c = 0; c < kB; ++c)
+#pragma unroll
+          for (int n = 0; n < kN; ++n) {
+            mma(sa[n], ka[c][0], ka[c][1], ka[c][2], ka[c][3], qb[n][2 * c][0], qb[n][2 * c][1]);
+            mma(sa2[n], ka[c][4], ka[c][5], ka[c][6], ka[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
+            mma(sb[n], kb[c][0], kb[c][1], kb[c][2], kb[c][3], qb[n][2 * c][0], qb[n][2 * c][1]);
+            mma(sb2[n], kb[c][4], kb[c][5], kb[c][6], kb[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
+          }
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sa[n][j] += sa2[n][j], sb[n][j] += sb2[n][j];
+        uint32_t va[kB][8], vb[kB][8];
+#pragma unroll
+        for (int c = 0; c < kB; ++c) rebuild2(kB + c, va[c], vb[c]);
+        // Both tiles are in registers: release them (tile i's bytes, then tile i + 1's, as the single loop would).
+        used -= (wrap ? C::kRingBytes - tail_at : 0) + size;
+        tail_at = start + size;
+        used -= (wrap_b ? C::kRingBytes - tail_at : 0) + size_b;
+        tail_at = start_b + size_b;
+        __syncwarp();
+        // The refill (which may plan a round of tiles) waits for tile i's softmax and PV, so that only tile i + 1's V
+        // registers stay live across it (before it, they spilled).
+        attend(sa, va, kTileTokens, 0);
+        fill(i + 2);
+        attend(sb, vb, kTileTokens, 0);
+        ++i;
+        continue;
+      }
+    }
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
     mbar_wait(bars + 8 * (i % kSlots), (i / kSlots) & 1);  // tile i has landed
@@ -526,12 +676,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     // all raw) takes a straight line from its start, a mixed one the line of its raw-block pattern, and a refused one
     // (or a mix at d 256) finds each block after the ones before it (raw 1024 bytes, compressed 768, refused 0).
     const bool tile_comp = kinds == (kAllComp | kAllComp << 2);
-    // Block j's table: from the record at d 64 (read where it is used: the record stays until a round later), else
-    // from its descriptor.
-    auto tables = [&](int j) {
-      if constexpr (D == 64) return rec.tables[j];
-      else return table_at(descs, j);
-    };
+    auto tables = [&](int j) { return tables_of(rec, descs, j); };
     auto rebuild_blocks = [&](int kv, uint32_t (&r)[kB][8]) {
       if (tile_comp) {
 #pragma unroll
@@ -609,80 +754,11 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       fill(i + 1);
     };
     if constexpr (kEarlyRelease) release();
-
-    // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its running max m_run. A tile
-    // whose logits all stay within kMaxSlack of m_run is weighed against the stale m_run as it is: its weights stay
-    // below 2^kMaxSlack (as exact in float32 and bf16 as weights below 1), so it needs no cross-lane max and no
-    // rescale of O. Only a tile where some lane's logit passes m_run + kMaxSlack (a head's first tile, rarely a later
-    // one) takes the full update: the max over the head's lanes, then l and O rescaled to it.
-    const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
-    float x[kN][4];
-    if (p.cap_log2 > 0.f) {
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) x[n][j] = p.cap_log2 * tanhf((s[n][j] + s2[n][j]) * p.scale_cap);
-    } else {
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) x[n][j] = (s[n][j] + s2[n][j]) * p.scale_log2;
-    }
-    bool grow = false;
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        x[n][j] = keep_lo ? x[n][j] : -INFINITY;
-        x[n][2 + j] = keep_hi ? x[n][2 + j] : -INFINITY;
-        grow |= fmaxf(x[n][j], x[n][2 + j]) > m_run[n][j] + kMaxSlack;  // m_run = -inf: any kept token
-      }
-    if (__any_sync(0xFFFFFFFFu, grow)) {
-      float alpha[kN][2];
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float mx = fmaxf(x[n][j], x[n][2 + j]);
-          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
-          const float m_new = fmaxf(m_run[n][j], mx);
-          alpha[n][j] = m_new == m_run[n][j] ? 1.f : exp2_approx(m_run[n][j] - m_new);  // m_run = -inf: 0
-          l_run[n][j] *= alpha[n][j];
-          m_run[n][j] = m_new;
-        }
-#pragma unroll
-      for (int mt = 0; mt < D / 16; ++mt)
-#pragma unroll
-        for (int n = 0; n < kN; ++n)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
-    }
-    uint32_t pb[kN][2];
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float m_use = m_run[n][j] == -INFINITY ? 0.f : m_run[n][j];  // all masked so far: avoid -inf - -inf
-        x[n][j] = exp2_approx(x[n][j] - m_use);
-        x[n][2 + j] = exp2_approx(x[n][2 + j] - m_use);
-        l_run[n][j] += x[n][j] + x[n][2 + j];
-      }
-      // P^T for the PV product: tokens 2t, 2t + 1 (then 2t + 8, 2t + 9) of head 8 n + g.
-      pb[n][0] = transpose8x8(pack_bf16(x[n][0], x[n][1]));
-      pb[n][1] = transpose8x8(pack_bf16(x[n][2], x[n][3]));
-    }
-
-    // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are, in order, the A registers of its 16-dim tile 2 c + h
-    // (dims 32 c + 16 h + g, then + 8, of tokens 2t.., then 2t + 8..).
-#pragma unroll
-    for (int c = 0; c < kB; ++c)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int n = 0; n < kN; ++n)
-          mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 1], vr[c][4 * h + 2], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
+      for (int j = 0; j < 4; ++j) s[n][j] += s2[n][j];
+    attend(s, vr, valid, lo);
     if constexpr (!kEarlyRelease) release();
   }
 

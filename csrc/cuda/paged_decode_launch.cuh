@@ -44,13 +44,14 @@ void launch_kernel(const Params& p, cudaStream_t stream) {
 
 // The variant serving a head_dim, group and warps per CTA: kHeadTiles = 2 when the group exceeds 8 heads (two MMA N
 // tiles), and the residency (CTAs per SM) each variant's registers allow (d 128: 160 registers -> 3, 218 with two
-// head tiles -> 2; d 64: <= 128 -> 4; d 256: 229 -> 1). docs/decode-kernel.md: 3 measured against 2 (v7, and v9 again)
-// and 4 against 3; d 128 at 4 would leave a warp's ring too small for two raw tiles. d 128 with one head tile also
-// comes as 2 CTAs of 6 warps (has_six_warps).
+// head tiles -> 2; d 64: 160 with its pairs of tiles -> 3, <= 128 with two head tiles -> 4; d 256: 229 -> 1).
+// docs/decode-kernel.md: 3 measured against 2 at d 128 (v7, and v9 again); d 128 at 4 would leave a warp's ring too
+// small for two raw tiles; d 64's pairs at 4 CTAs spill and lose (v21). d 128 with one head tile also comes as 2 CTAs
+// of 6 warps (has_six_warps).
 // Calls f.template operator()<kHeadTiles, kCtas, kWarps>().
 template <int D, typename F>
 auto dispatch(int group, int warps, F&& f) {
-  constexpr int kOne = D == 64 ? 4 : D == 128 ? 3 : 1, kTwo = D == 64 ? 4 : D == 128 ? 2 : 1;
+  constexpr int kOne = D == 64 ? 3 : D == 128 ? 3 : 1, kTwo = D == 64 ? 4 : D == 128 ? 2 : 1;
   if constexpr (D == 128) {
     if (warps == 6 && has_six_warps(D, group)) return f.template operator()<1, 2, 6>();
   }
