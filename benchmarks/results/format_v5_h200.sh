@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Format v5 on the H200 box, 2026-12-02 (torch 2.11.0+cu130): commit a829b2a against v4 (commit 621e3e3, unpacked
 # with `git archive` into .box/int), each built in place in its own tree. Three calls on fresh machines.
-# -> bench_decode_h200.json (v5), bench_decode_v4_h200.json (v4, the same call), bench_format_h200.json (v5),
+# -> bench_decode_h200.json (v5; kept as bench_decode_v17_h200.json), bench_decode_v4_h200.json (v4, the same call), bench_format_h200.json (v5),
 #    gpu_h200/tests_v5.log (v5's GPU tests).
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
