@@ -36,13 +36,39 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from torch_zipkv import reference  # noqa: E402
 
 
-def load_blocks() -> tuple[np.ndarray, tuple]:
-    """uint16 [layers, pages, 2, heads, blocks, 512] bit patterns in position order, and the kv shape."""
+def load_blocks() -> tuple[np.ndarray, torch.Tensor]:
+    """uint16 [layers, pages, 2, heads, blocks, 512] bit patterns in position order, and the kv they come from
+    (bf16 [layers, pages, 2, 16, heads, 64])."""
     from torch_zipkv import realkv
 
-    kv = realkv.real_kv(2048, page_size=16)  # [layers, pages, 2, 16, heads, 64]
+    kv = realkv.real_kv(2048, page_size=16)
     blocks = torch.stack([reference._blocks(kv[i]) for i in range(kv.shape[0])])  # int64 [L, n, 2, H, nb, 512]
-    return blocks.numpy().astype(np.uint16), tuple(kv.shape)
+    return blocks.numpy().astype(np.uint16), kv
+
+
+def channel_offset_sizes(kv: torch.Tensor) -> np.ndarray:
+    """int [L, n, 2, H, nb]: block bytes when each value's exponent pair is coded less a per-(layer, K|V, head,
+    channel) offset (its channel's largest pair over all tokens; stored once per layer, not counted), each block
+    taking the cheapest of 11 (2-bit codes), 11z, 12, 12z and raw. A page-16 block is 16 tokens x 32 channels of a
+    stream, so its values' order does not matter here."""
+    x = kv.view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+    e = (x >> 7) & 0xFF
+    L, n, _, T, H, D = e.shape
+    zero = e <= 1
+    p = e >> 1
+    off = np.where(zero, -1, p).max(axis=(1, 3))  # [L, 2, H, D]
+    q = p - off[:, None, :, None, :, :]
+    blocks = lambda a: a.reshape(L, n, 2, T, H, D // 32, 32).transpose(0, 1, 2, 4, 5, 3, 6).reshape(
+        L, n, 2, H, D // 32, T * 32)
+    qb, zb = blocks(q), blocks(zero)
+    big = 1 << 20
+    span_all = qb.max(-1) - qb.min(-1) + 1
+    lo, hi = np.where(zb, big, qb).min(-1), np.where(zb, -big, qb).max(-1)
+    span_nonzero = np.where(hi < lo, 0, hi - lo + 1)
+    size = np.full(span_all.shape, 1024)
+    for bytes_, span, nonzero_only in ((768, 7, True), (768, 8, False), (704, 3, True), (704, 4, False)):
+        size = np.where((span_nonzero if nonzero_only else span_all) <= span, bytes_, size)
+    return size
 
 
 def window_fit(e: np.ndarray, span: int, zeros: bool, lane_bits: int = 0) -> np.ndarray:
@@ -115,7 +141,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    v, shape = load_blocks()
+    v, kv = load_blocks()
+    shape = tuple(kv.shape)
     e = ((v >> 7) & 0xFF).astype(np.int32)
     L, n, _, H, nb, _ = v.shape
     raw_bytes = v.size * 2
@@ -257,6 +284,10 @@ def main() -> None:
     for header in (0, 8, 16):
         best = np.where(block_lev <= 8, lane_bytes + header, 1024)
         candidates[f"per-lane 11 / 12 + {header}-byte header"] = kv_ratios(best)
+    # Exponents relative to their channel (K has outlier channels): the spans that stay are across tokens.
+    chan = channel_offset_sizes(kv)
+    candidates["11 + 11z + 12 + 12z, pairs less a per-channel offset"] = {
+        **kv_ratios(chan), "block_sizes": {int(x): float(c / chan.size) for x, c in zip(*np.unique(chan, return_counts=True))}}
     ent = entropy_bytes(v)
     candidates["entropy floor (order 0, high byte)"] = kv_ratios(ent)
     print(f"SmolLM2 real KV {shape}: {e.shape[:-1]} blocks; metadata {meta_bytes / raw_bytes:.4f} of BF16")
