@@ -72,11 +72,58 @@ def compressible_kv(n, page_size, heads, head_dim, gen):
 
 
 def with_zeros(kv: torch.Tensor, gen: torch.Generator, rate: float = 3e-3) -> torch.Tensor:
-    """A copy of kv with exact zeros sprinkled in, as BF16 RoPE makes them: the blocks holding one stay raw."""
+    """A copy of kv with exact zeros sprinkled in, as BF16 RoPE makes them: the blocks holding one become zero-aware
+    (or stay raw where their other exponents span more than 14)."""
     kv = kv.clone()
     kv[torch.rand(kv.shape, generator=gen) < rate] = 0.0
     return kv
 
+
+# Blocks of exact zeros (+0 and -0), each with a few other bit patterns among them, and the descriptor the format's
+# rule gives them (docs/FORMAT.md, "One block"): plain 12-bit (b/2) where every exponent fits [b, b + 15] from
+# b = min(e) & ~1 = 0; zero-aware (0x80 | b/2) where, the e <= 1 values aside, b = min(e) & ~1 >= 2 of the others,
+# every e <= b + 13 and b <= 240; raw (0x80) otherwise. Written out by hand, not computed by the code under test.
+ZERO_BLOCKS = {
+    # name: (patterns placed among the zeros, sign of the zeros: "+", or "+-" for random, expected descriptor)
+    "+0 only": ([], "+", 0),
+    "+-0": ([], "+-", 0),
+    "+-0 and subnormals": ([0x0001, 0x807F, 0x0040], "+-", 0),
+    "+-0 and exponents 2..15": ([0x0100, 0x8780], "+-", 0),  # e 2 and 15 fit the plain window from b = 0
+    "+-0 and 1.0": ([0x3F80], "+-", 0x80 | 63),  # e 127: b = 126
+    "+-0 and exponents 4..17": ([0x0200, 0x8880], "+-", 0x80 | 2),  # b = 4, 17 = b + 13
+    "+-0 and exponents 3..16": ([0x0180, 0x0800], "+-", 0x80),  # b = 2, 16 > b + 13; plain: 16 > 15
+    "+-0 and exponent 240": ([0x7800, 0xF800], "+-", 0x80 | 120),  # the largest zero-aware base
+    "+-0 and exponent 242": ([0x7900], "+-", 0x80),  # b = 242 > 240
+    "+-0 and +-Inf": ([0x7F80, 0xFF80], "+-", 0x80),  # e 255: b = 254 > 240
+    "+-0 and NaN payloads": ([0x7F81, 0xFFFF, 0x7FC0], "+-", 0x80),
+}
+
+
+def zero_block_pages(gen: torch.Generator, head_dim: int = 64) -> tuple[torch.Tensor, list[int]]:
+    """One page (16 tokens, 1 head) per ZERO_BLOCKS case, every block of it that case: bf16 [cases, 2, 16, 1,
+    head_dim] with each block's extra patterns at random positions, and each page's expected descriptor."""
+    pages = []
+    for patterns, signs, _ in ZERO_BLOCKS.values():
+        blocks = []
+        for _ in range(2 * head_dim // 32):  # K's then V's blocks, 16 tokens x 32 dims each
+            v = torch.zeros(16 * 32, dtype=torch.int32)
+            if signs == "+-":
+                v |= torch.randint(0, 2, v.shape, generator=gen, dtype=torch.int32) << 15
+            v[torch.randperm(v.numel(), generator=gen)[: len(patterns)]] = torch.tensor(patterns, dtype=torch.int32)
+            blocks.append(v.reshape(16, 32))
+        kv = torch.stack(blocks).reshape(2, head_dim // 32, 16, 32).permute(0, 2, 1, 3).reshape(2, 16, 1, head_dim)
+        pages.append(kv.to(torch.int16).view(torch.bfloat16))
+    return torch.stack(pages), [want for _, _, want in ZERO_BLOCKS.values()]
+
+
+
+def pages_with_zero_blocks(gen: torch.Generator, head_dim: int) -> torch.Tensor:
+    """8 random pages and the ZERO_BLOCKS pages attention can weigh (not +-Inf, NaN or magnitudes of 2^113, which
+    poison or saturate every logit), shuffled: bf16 [pages, 2, 16, 1, head_dim]."""
+    zeros, _ = zero_block_pages(gen, head_dim)
+    zeros = zeros[zeros.float().abs().amax(dim=(1, 2, 3, 4)) < 2.0**20]
+    kv = torch.cat([random_kv(8, 16, 1, head_dim, gen), zeros])
+    return kv[torch.randperm(kv.shape[0], generator=gen)]
 
 def minus_inf_page_case(order):
     """(kv, q, page table) of issue 19's reproducer: one request over pages ``order`` of two pages. Page 0's logits are

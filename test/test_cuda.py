@@ -6,8 +6,10 @@ import torch
 
 import torch_zipkv
 from torch_zipkv import empty_storage, ops
+from torch_zipkv import format as fmt
 
-from conftest import bits, capture_graph, random_kv, requires_cuda, spread_layers, store, with_zeros
+from conftest import (bits, capture_graph, random_kv, requires_cuda, spread_layers, store, with_zeros,
+                      zero_block_pages)
 
 pytestmark = requires_cuda
 
@@ -24,6 +26,22 @@ def test_cuda_bytes_equal_cpu_bytes(gen, P, H, D, allow_compress):
     for c, g in zip(cpu, gpu):
         assert torch.equal(c, g.cpu())
     out = ops.decompress_pages(gpu[0], gpu[1], ids.cuda(), P, D)
+    assert torch.equal(bits(out.cpu()), bits(kv))
+
+
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
+def test_blocks_of_zeros_cuda_bytes_equal_cpu_bytes(gen, head_dim):
+    """conftest.ZERO_BLOCKS (+-0 alone, with subnormals, at each zero-aware limit, with +-Inf and NaN payloads): the
+    CUDA encoder picks the CPU's kind for each and writes its bytes; decompression is bit-exact."""
+    kv, _ = zero_block_pages(gen, head_dim)
+    n = kv.shape[0]
+    ids = torch.randperm(n, generator=gen).to(torch.int32)
+    cpu, gpu = empty_storage(n, 16, 1, head_dim, "cpu"), empty_storage(n, 16, 1, head_dim, "cuda")
+    ops.compress_pages(kv, ids, *cpu)
+    ops.compress_pages(kv.cuda(), ids.cuda(), *gpu)
+    for c, g in zip(cpu, gpu):
+        assert torch.equal(c, g.cpu())
+    out = ops.decompress_pages(gpu[0], gpu[1], ids.cuda(), 16, head_dim)
     assert torch.equal(bits(out.cpu()), bits(kv))
 
 

@@ -9,7 +9,8 @@ import torch_zipkv
 from torch_zipkv import format as fmt
 from torch_zipkv import reference
 
-from conftest import minus_inf_page_case, page_table, random_kv, rel_err, spread_layers, store
+from conftest import (minus_inf_page_case, page_table, pages_with_zero_blocks, random_kv, rel_err, spread_layers,
+                      store)
 
 
 def run_case(kv, raw_pages, seq_lens, num_qo_heads, gen, scale=None, **kw):
@@ -33,6 +34,16 @@ def test_matches_float64_reference_mixed_pages(gen, head_dim, group):
     seq_lens = [1, 16, 17, 45, 100]  # 1-token request, full page, partial last pages
     out, lse, ref, ref_lse = run_case(kv, raw_pages, seq_lens, heads * group, gen)
     assert out.dtype == torch.bfloat16 and out.shape == (5, heads * group, head_dim)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
+def test_pages_of_zeros_match_float64_reference(gen, head_dim):
+    """Blocks of +-0 that are plain, zero-aware or raw (conftest.ZERO_BLOCKS) among random pages, some stored raw."""
+    kv = pages_with_zero_blocks(gen, head_dim)
+    n = kv.shape[0]
+    out, lse, ref, ref_lse = run_case(kv, torch.rand(n, generator=gen) < 0.3, [16 * (n - 3) + 3, 17], 4, gen)
     assert rel_err(out, ref) < 1e-2
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 

@@ -10,8 +10,8 @@ import torch
 import torch_zipkv
 from torch_zipkv import format as fmt, reference
 
-from conftest import (capture_graph, compressible_kv, minus_inf_page_case, page_table, random_kv, rel_err,
-                      requires_cuda, spread_layers, store, with_zeros)
+from conftest import (capture_graph, compressible_kv, minus_inf_page_case, page_table, pages_with_zero_blocks,
+                      random_kv, rel_err, requires_cuda, spread_layers, store, with_zeros)
 
 pytestmark = requires_cuda
 
@@ -52,6 +52,16 @@ def test_matches_reference_and_cpu_mixed_pages(gen, head_dim, group):
     live = [0, 1, 2, 3, 5, 6]
     check(out_g[live], lse_g[live], out_c[live], ref[live], ref_lse[live])
     assert torch.equal(out_g[4], torch.zeros_like(out_g[4])) and (lse_g[4] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
+def test_pages_of_zeros_match_reference_and_cpu(gen, head_dim):
+    """Blocks of +-0 that are plain, zero-aware or raw (conftest.ZERO_BLOCKS) among random pages, some stored raw."""
+    kv = pages_with_zero_blocks(gen, head_dim)
+    n = kv.shape[0]
+    out_g, lse_g, out_c, _, ref, ref_lse = decode_both(kv, torch.rand(n, generator=gen) < 0.3,
+                                                       [16 * (n - 3) + 3, 17], 4, gen)
+    check(out_g, lse_g, out_c, ref, ref_lse)
 
 
 @pytest.mark.parametrize("page_size, head_dim", [(32, 64), (64, 128), (128, 256), (48, 64), (128, 64)])

@@ -12,7 +12,7 @@ from torch_zipkv import ops, reference
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 
-from conftest import bits, compressible_kv, random_kv, store
+from conftest import ZERO_BLOCKS, bits, compressible_kv, random_kv, store, zero_block_pages
 
 
 def assert_round_trip(kv: torch.Tensor, allow_compress: bool = True) -> torch_zipkv.CompressedKV:
@@ -143,6 +143,19 @@ def test_every_bf16_pattern_round_trips_beside_zeros(gen):
         ckv = assert_round_trip(kv)
         desc = ckv.descriptors()
         assert ((desc > fmt.DESC_RAW) & (desc <= fmt.DESC_LAST)).any() and (desc == fmt.DESC_RAW).any()
+        data, meta = reference.encode(kv)
+        assert torch.equal(ckv.data, data) and torch.equal(ckv.meta, meta)
+
+
+def test_blocks_of_zeros_take_the_kind_the_rule_gives(gen):
+    """Blocks of +-0 alone, with subnormals, with values at each zero-aware limit, with +-Inf or NaN payloads: each
+    round-trips bit for bit and takes the descriptor written out in ZERO_BLOCKS; the bytes are the reference's."""
+    for head_dim in fmt.HEAD_DIMS:
+        kv, want = zero_block_pages(gen, head_dim)
+        ckv = assert_round_trip(kv)
+        desc = ckv.descriptors()  # [pages, 2, heads, blocks]
+        for page, name in enumerate(ZERO_BLOCKS):
+            assert (desc[page] == want[page]).all(), (head_dim, name, desc[page].unique().tolist())
         data, meta = reference.encode(kv)
         assert torch.equal(ckv.data, data) and torch.equal(ckv.meta, meta)
 
