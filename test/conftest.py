@@ -116,7 +116,6 @@ def zero_block_pages(gen: torch.Generator, head_dim: int = 64) -> tuple[torch.Te
     return torch.stack(pages), [want for _, _, want in ZERO_BLOCKS.values()]
 
 
-
 def pages_with_zero_blocks(gen: torch.Generator, head_dim: int) -> torch.Tensor:
     """8 random pages and the ZERO_BLOCKS pages attention can weigh (not +-Inf, NaN or magnitudes of 2^113, which
     poison or saturate every logit), shuffled: bf16 [pages, 2, 16, 1, head_dim]."""
@@ -124,6 +123,7 @@ def pages_with_zero_blocks(gen: torch.Generator, head_dim: int) -> torch.Tensor:
     zeros = zeros[zeros.float().abs().amax(dim=(1, 2, 3, 4)) < 2.0**20]
     kv = torch.cat([random_kv(8, 16, 1, head_dim, gen), zeros])
     return kv[torch.randperm(kv.shape[0], generator=gen)]
+
 
 def minus_inf_page_case(order):
     """(kv, q, page table) of issue 19's reproducer: one request over pages ``order`` of two pages. Page 0's logits are

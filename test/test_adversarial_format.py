@@ -29,8 +29,8 @@ ROW = re.compile(r"meta\[(\d+), ([KV]), head (\d+)\] (holds no stream|has an inv
 
 def make_storage(seed: int, page_size: int, head_dim: int, heads: int):
     """Pages like a cache holds them: real-looking values (Gaussian with exact zeros, as BF16 RoPE makes, so some
-    blocks are zero-aware and some raw), a page of every-block-compressible values, one of large and tiny values, and open pages stored
-    all raw; both kinds of stream in one arena."""
+    blocks are zero-aware and some raw), a page of every-block-compressible values, one of large and tiny values, and
+    open pages stored all raw; both kinds of stream in one arena."""
     gen = torch.Generator().manual_seed(seed)
     kv = with_zeros(random_kv(PAGES, page_size, heads, head_dim, gen), gen, rate=1e-2)
     kv[1] = compressible_kv(1, page_size, heads, head_dim, gen)[0]
