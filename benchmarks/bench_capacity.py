@@ -39,6 +39,8 @@ import time
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # smollm2.py: real KV
+
 from torch_zipkv import CompressedPagedKVCache, ops
 
 GiB = 1 << 30
@@ -49,7 +51,7 @@ def request_kv(kind: str, tokens: int, heads: int, head_dim: int, gen: torch.Gen
     if kind == "random":
         x = torch.randn(2, tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
         return x[0], x[1]
-    from torch_zipkv import realkv
+    import smollm2 as realkv
 
     real = realkv.real_kv(2048, page_size=16)  # [30, 128, 2, 16, 3, 64]
     half = real.shape[-1]

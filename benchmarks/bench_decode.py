@@ -34,6 +34,8 @@ import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # smollm2.py: real KV
 import torch.nn.functional as F
 
 import torch_zipkv
@@ -93,7 +95,7 @@ def real_streams(device) -> tuple[torch.Tensor, torch.Tensor]:
     if path:
         kv = torch.load(path, weights_only=True)["kv"]
     else:
-        from torch_zipkv import realkv
+        import smollm2 as realkv
 
         kv = realkv.real_kv(2048, page_size=16)
     assert kv.shape[3] == PAGE and kv.shape[5] == 64, kv.shape

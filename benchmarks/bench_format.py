@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # smollm2.py: real KV
+
 import torch_zipkv
 from torch_zipkv import format as fmt
 from torch_zipkv import ops
@@ -30,7 +32,7 @@ def load_real_kv() -> tuple[torch.Tensor, list[int]]:
     if path:
         saved = torch.load(path, weights_only=True)
         return saved["kv"], list(saved["layers"])
-    from torch_zipkv import realkv
+    import smollm2 as realkv
 
     kv = realkv.real_kv(2048, page_size=16)
     return kv, list(range(kv.shape[0]))

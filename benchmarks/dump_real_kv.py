@@ -6,15 +6,18 @@ the GGUF weights; a handful of layers is a few MB and needs only torch to read b
     data = torch.load(path)   # {"kv", "model", "tokens", "page_size", "layers", "layout"}
 
 ``data["kv"]`` has shape ``[len(layers), num_pages, 2, page_size, num_kv_heads, head_dim]``,
-bf16, the per-layer layout of ``torch_zipkv.realkv.real_kv``.
+bf16, the per-layer layout of ``examples/smollm2.py's real_kv``.
 """
 
 import argparse
 import pathlib
+import sys
 
 import torch
 
-from torch_zipkv import realkv
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # smollm2.py: real KV
+
+import smollm2 as realkv  # noqa: E402
 
 
 def _layer_list(text: str) -> list[int]:

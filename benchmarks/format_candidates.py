@@ -32,6 +32,8 @@ import sys
 import numpy as np
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # smollm2.py: real KV
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from torch_zipkv import reference  # noqa: E402
 
@@ -39,7 +41,7 @@ from torch_zipkv import reference  # noqa: E402
 def load_blocks() -> tuple[np.ndarray, torch.Tensor]:
     """uint16 [layers, pages, 2, heads, blocks, 512] bit patterns in position order, and the kv they come from
     (bf16 [layers, pages, 2, 16, heads, 64])."""
-    from torch_zipkv import realkv
+    import smollm2 as realkv
 
     kv = realkv.real_kv(2048, page_size=16)
     blocks = torch.stack([reference._blocks(kv[i]) for i in range(kv.shape[0])])  # int64 [L, n, 2, H, nb, 512]

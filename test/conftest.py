@@ -4,6 +4,8 @@ data, bit-exact and relative-error comparisons, real KV."""
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 import zlib
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 
 import torch_zipkv
 from torch_zipkv import ops
+
+# examples/smollm2.py (the shipped SmolLM2 and its real KV) is repository data, not library: importable from here.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -166,17 +171,17 @@ def real_kv():
 
 
 def require_smollm2():
-    """torch_zipkv.realkv once the SmolLM2 package is found; skips the test without it (fails under
+    """The module examples/smollm2.py once the SmolLM2 package is found; skips the test without it (fails under
     ZIPKV_REQUIRE_MODEL=1, as in CI)."""
-    from torch_zipkv import realkv
+    import smollm2
 
     try:
-        realkv.smollm2_gguf_path()
+        smollm2.smollm2_gguf_path()
     except ModuleNotFoundError as e:
         if os.environ.get("ZIPKV_REQUIRE_MODEL") == "1":
             raise
         pytest.skip(str(e))
-    return realkv
+    return smollm2
 
 
 def spread_layers(real_kv) -> list[int]:

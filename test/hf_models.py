@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import transformers
 
-from torch_zipkv import demo
+import demo  # examples/demo.py (conftest puts examples/ on sys.path)
 
 
 def teacher_forced_logits(model, impl: str, input_ids, attention_mask, forced, cache=None) -> torch.Tensor:
-    """:func:`torch_zipkv.demo.teacher_forced_logits` with attention ``impl``: float [B, T + 1, vocab]."""
+    """examples/demo.py's ``teacher_forced_logits`` with attention ``impl``: float [B, T + 1, vocab]."""
     model.set_attn_implementation(impl)
     return demo.teacher_forced_logits(model, input_ids, attention_mask, forced, cache)
 

