@@ -82,7 +82,7 @@ def admission(models, rank):
     running, log = [], []
     while eng.has_unfinished():
         log.append(outputs(eng.step()))
-        running.append([r.rid for r in eng._running])
+        running.append([r.rid for r in eng.scheduler.running])
     out.update(log=log, running=running)
     return out
 
@@ -104,7 +104,7 @@ def diverged(models, rank):
     eng.add_request(prompts()[0], SamplingParams(max_new_tokens=4))
     eng.step()
     if rank == 1:
-        eng._state_digest = b"not rank 0's"
+        eng._tp.state_digest = b"not rank 0's"
     try:
         eng.step()
         return {"error": None}

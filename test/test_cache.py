@@ -229,7 +229,7 @@ def test_bad_arguments_raise_clear_errors():
         cache.capacity(reserve=-1)
     with pytest.raises(TypeError, match="num_layers must be an int >= 1, got float"):
         CompressedPagedKVCache(2.0, H, D, device="cpu", max_bytes=1 << 20)
-    with pytest.raises(TypeError, match="max_bytes must be an int, got float"):
+    with pytest.raises(TypeError, match="max_bytes must be an int >= 1, got float"):
         CompressedPagedKVCache(1, H, D, device="cpu", max_bytes=1e6)
     with pytest.raises(ValueError, match="max_pages must be an int >= 1, got 0"):
         CompressedPagedKVCache(1, H, D, device="cpu", max_bytes=1 << 20, max_pages=0)
@@ -239,7 +239,7 @@ def test_bad_arguments_raise_clear_errors():
         CompressedPagedKVCache(1, H, D, device="cpu", memory_fraction=0.5)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         CompressedPagedKVCache(1, H, 96, device="cpu", max_bytes=1 << 20)
-    with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1, got -5"):
+    with pytest.raises(ValueError, match="chunk_bytes must be None or an int >= 1, got -5"):
         CompressedPagedKVCache(1, H, D, device="cpu", max_bytes=1 << 20, chunk_bytes=-5)
     with pytest.raises(TypeError, match="memory_fraction must be a float, got str"):
         CompressedPagedKVCache(1, H, D, device="cpu", memory_fraction="0.5")

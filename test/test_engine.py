@@ -165,7 +165,7 @@ def test_admission_within_budget_and_fcfs(llama):
                 finish_step[out.request_id] = step
                 ref.check(prompts[ids.index(out.request_id)], out.token_ids)
         step += 1
-        running = [r.rid for r in eng._running]
+        running = [r.rid for r in eng.scheduler.running]
         promised = sum(-(-(len(prompts[ids.index(i)]) + new) // 16) for i in running)
         assert promised <= pages, "running requests were promised more than the cache holds"
         s = eng.kv.stats()
@@ -262,10 +262,17 @@ def test_bad_sampling_params(kwargs, error, match):
 
 def test_engine_arguments_are_checked(llama):
     model, _ = llama
-    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
         Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=0)
     with pytest.raises(TypeError, match="max_batch"):
         Engine(model, max_kv_bytes=KV_BYTES, max_batch=2.0)
+    for name in ("max_batch", "prefill_chunk", "compress_every", "max_kv_bytes", "kv_chunk_bytes"):
+        with pytest.raises(TypeError, match=f"{name} must be"):  # a bool is not an int
+            Engine(model, **{"max_kv_bytes": KV_BYTES, name: True})
+    with pytest.raises(ValueError, match="max_kv_bytes must be None or an int >= 1, got -1"):  # its own name, not the cache's
+        Engine(model, max_kv_bytes=-1)
+    with pytest.raises(TypeError, match="compress must be a bool"):
+        Engine(model, max_kv_bytes=KV_BYTES, compress=1)
     with pytest.raises(ValueError, match="bfloat16"):
         Engine(small_model("llama").float(), max_kv_bytes=KV_BYTES)
     with pytest.raises(TypeError, match="PreTrainedModel"):

@@ -46,7 +46,7 @@ def test_graphs_match_generate(arch):
         assert finals[rid].finish_reason == "length" and len(finals[rid].token_ids) == n
         ref.check(prompt, finals[rid].token_ids)
     assert eng.stats()["cuda_graphs"] >= 3
-    assert eng.kv.seq_len(0, eng._pad_seq) == 1 and eng.kv.seq_ids == [eng._pad_seq]
+    assert eng.kv.seq_len(0, eng.runner.pad_seq) == 1 and eng.kv.seq_ids == [eng.runner.pad_seq]
 
 
 def test_graphs_replay_deterministically_with_sampling():

@@ -103,7 +103,7 @@ class EngineMachine(RuleBasedStateMachine):
     def promises_fit(self):
         if not hasattr(self, "eng"):
             return
-        running = self.eng._running
+        running = self.eng.scheduler.running
         assert self.eng.max_batch is None or len(running) <= self.eng.max_batch
         promised = sum(-(-(len(r.prompt) + r.params.max_new_tokens) // 16) for r in running)
         assert promised <= self.pages

@@ -52,7 +52,11 @@ from .upload import Uploader
 
 __all__ = ["CacheFullError", "Capacity", "CompressedPagedKVCache", "DecodeStep"]
 
-_CHUNK_BYTES = 4 << 20  # default arena chunk size
+_CHUNK_BYTES = 4 << 20  # the largest default arena chunk
+# A default chunk is at most 1/_CHUNKS_PER_LAYER of a layer's share of the budget: a layer holds up to two partly
+# used chunks (a slot chunk and a packed one), so with 4 MiB chunks a small budget over many layers would spend most
+# of itself on that slack (256 MiB over 32 layers: 64 chunks, two a layer).
+_CHUNKS_PER_LAYER = 32
 
 
 class CacheFullError(RuntimeError):
@@ -118,11 +122,12 @@ class CompressedPagedKVCache:
     wrong type or dtype) or ValueError (a wrong shape, size or device; an unknown layer or sequence; a value out of
     range), naming the argument; a call the cache's state does not allow raises RuntimeError, and
     :class:`CacheFullError` (a RuntimeError) says what does not fit. :meth:`step_append` and :meth:`step_decode`
-    check the layer and that the step is not stale (:meth:`prepare_step`), and leave the tensors' checks to the ops.
+    check the layer and the step (:meth:`check_step`: this cache's, not stale), and leave the tensors' checks to the ops.
 
     Args:
         page_size: tokens per page (a multiple of 16).
-        chunk_bytes: arena chunk size (>= 1), rounded down to whole raw pages (at least one).
+        chunk_bytes: arena chunk size (>= 1), rounded down to whole raw pages (at least one). Default: 4 MiB, or
+            ``max_bytes / (32 * num_layers)`` if less, so small budgets lose little to partly used chunks.
         max_pages: page ids per layer (meta rows). Default: enough for the whole arena compressed.
         device: default CUDA if available, else CPU.
         sliding_window: tokens a sliding-window layer attends to (the newest included, transformers' and
@@ -139,7 +144,7 @@ class CompressedPagedKVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,
                  max_bytes: int | None = None, memory_fraction: float | None = None, device=None,
-                 chunk_bytes: int = _CHUNK_BYTES, max_pages: int | None = None, sliding_window=None,
+                 chunk_bytes: int | None = None, max_pages: int | None = None, sliding_window=None,
                  process_group=None):
         check_int("num_layers", num_layers, 1)
         check_int("num_kv_heads", num_kv_heads, 1)
@@ -163,8 +168,8 @@ class CompressedPagedKVCache:
                 raise ValueError(f"memory_fraction must be in (0, 1] and needs a CUDA device, got {memory_fraction} "
                                  f"on {device}")
             max_bytes = int(torch.cuda.mem_get_info(device)[0] * memory_fraction)
-        check_int("max_bytes", max_bytes)
-        check_int("chunk_bytes", chunk_bytes, 1)
+        check_int("max_bytes", max_bytes, 1)
+        check_int("chunk_bytes", chunk_bytes, 1, optional=True)
         if max_pages is not None:
             check_int("max_pages", max_pages, 1)
 
@@ -172,6 +177,8 @@ class CompressedPagedKVCache:
             page_size
         self.device = device
         self.page_bytes = fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)  # one page of one layer, raw
+        if chunk_bytes is None:
+            chunk_bytes = min(_CHUNK_BYTES, max_bytes // (_CHUNKS_PER_LAYER * num_layers))
         self.chunk_bytes = max(1, chunk_bytes // self.page_bytes) * self.page_bytes
         id_bytes = _id_bytes(num_layers, num_kv_heads, head_dim, page_size)  # meta of one page id, all layers
         if max_pages is None:  # ids enough for a full arena of all-compressed pages (3/4 of raw, the least)
@@ -207,7 +214,7 @@ class CompressedPagedKVCache:
         self._free_rows = list(range(15, -1, -1))
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self._reserved_ids = 0  # page ids promised to running sequences
-        self._generation = StepGeneration()  # of the decode steps prepared since the sequences or pages last changed
+        self._generation = StepGeneration(self)  # of the decode steps prepared since the sequences or pages last changed
 
     @staticmethod
     def _windows(sliding_window, num_layers: int) -> list[int | None]:
@@ -318,7 +325,7 @@ class CompressedPagedKVCache:
         rule for all steps and all such changes (not only those that touch a step's pages): simple to state, and a
         decode loop makes these changes between steps anyway."""
         self._generation.stale = True
-        self._generation = StepGeneration()
+        self._generation = StepGeneration(self)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -421,27 +428,44 @@ class CompressedPagedKVCache:
             self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
         return DecodeStep(page_ids, slots, indptr, indices, last, self._generation)
 
-    def _check_step(self, step, fn: str) -> None:
-        """TypeError unless ``step`` is a DecodeStep; RuntimeError if it is stale (its page ids may name another
-        sequence's pages now, or pages compressed since), before anything is written or read."""
+    def check_step(self, step, fn: str = "check_step") -> None:
+        """TypeError unless ``step`` is a DecodeStep; ValueError if another cache prepared it (its page ids and slots
+        name that cache's pages); RuntimeError if it is stale (its page ids may name another sequence's pages now,
+        or pages compressed since). :meth:`step_append` and :meth:`step_decode` call it before anything is written
+        or read; whoever copies a step into a CUDA Graph's buffers (:meth:`static_step`) calls it first."""
         if not isinstance(step, DecodeStep):
             raise TypeError(f"{fn}: step must be a DecodeStep from prepare_step, got {type(step).__name__}")
+        if step.generation.owner is not self:
+            raise ValueError(f"{fn}: the DecodeStep was prepared by another cache; a step belongs to the cache whose "
+                             "prepare_step made it")
         if step.stale:
             raise RuntimeError(f"{fn}: the DecodeStep is stale: the cache admitted or freed a sequence, or compressed "
                                "or compacted pages, after prepare_step made it (its pages may be another sequence's "
                                "now); do those between steps and prepare the step after them")
 
+    def static_step(self, page_ids: torch.Tensor, slots: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> DecodeStep:
+        """A DecodeStep of this cache over caller-owned int32 buffers on its device, which a captured CUDA Graph
+        reads: its replays run no Python, so the graph's step never goes stale; before each replay the caller checks
+        the prepared step it copies into the buffers (:meth:`check_step`). Used by the engine's decode graphs."""
+        for name, t in (("page_ids", page_ids), ("slots", slots), ("kv_indptr", kv_indptr),
+                        ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.device != self.device:
+                raise ValueError(f"static_step: {name} must be a 1-D int32 tensor on {self.device}, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        return DecodeStep(page_ids, slots, kv_indptr, kv_indices, kv_last_page_len, StepGeneration(self))
+
     def step_append(self, layer: int, step: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer's tokens of a step prepared by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D]).
-        RuntimeError, writing nothing, if the step is stale."""
-        self._check_step(step, "step_append")
+        Writes nothing if the step is stale or another cache's (:meth:`check_step`)."""
+        self.check_step(step, "step_append")
         ops.append_kv(k, v, step.page_ids, step.slots, self.page_size, self.data, self.meta(layer))
 
     def step_decode(self, layer: int, step: DecodeStep, q: torch.Tensor, *, sm_scale: float | None = None,
                     out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
         """Decode attention of one layer in a step prepared by :meth:`prepare_step` (``q`` bf16 [B, Hq, D]).
-        RuntimeError if the step is stale."""
-        self._check_step(step, "step_decode")
+        Refuses a stale step or another cache's (:meth:`check_step`)."""
+        self.check_step(step, "step_decode")
         return ops.paged_decode(q, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
                                 step.kv_last_page_len, self.page_size, sm_scale=sm_scale, out=out,
                                 window_left=self._window_left[layer], logits_soft_cap=logits_soft_cap)

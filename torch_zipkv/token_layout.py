@@ -22,15 +22,17 @@ _INT = frozenset({int})  # the one type of the ids in a batch's key
 
 
 class StepGeneration:
-    """The decode steps a cache prepared since its sequences or pages last changed. When they change, the cache
-    marks the generation ``stale`` and starts a new one, and refuses the steps of the old one. A flag that is False
-    for every step that runs, not a serial the step compares: a compiled step guards on what it reads, and this guard
-    never changes, so the step never recompiles; checking it is a host read, no device sync."""
+    """The decode steps a cache (``owner``) prepared since its sequences or pages last changed. When they change, the
+    cache marks the generation ``stale`` and starts a new one, and refuses the steps of the old one, and of any other
+    cache. A flag that is False for every step that runs, not a serial the step compares: a compiled step guards on
+    what it reads, and this guard never changes (nor does the owner's identity), so the step never recompiles;
+    checking it is a host read, no device sync."""
 
-    __slots__ = ("stale",)
+    __slots__ = ("stale", "owner")
 
-    def __init__(self):
+    def __init__(self, owner):
         self.stale = False
+        self.owner = owner
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +41,7 @@ class DecodeStep:
     sequence's new token goes (``page_ids``, ``slots``: int32 [B]) and the FlashInfer page table after it
     (``kv_indptr`` [B+1], ``kv_indices`` [nnz], ``kv_last_page_len`` [B]), all int32 on the cache's device.
     ``stale`` once the cache admitted or freed a sequence, or compressed or compacted pages, since it was prepared
-    (:class:`StepGeneration`): the cache then refuses it."""
+    (:class:`StepGeneration`): the cache then refuses it, as it refuses a step of another cache."""
 
     page_ids: torch.Tensor
     slots: torch.Tensor

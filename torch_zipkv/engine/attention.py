@@ -4,8 +4,9 @@ The engine runs the model's own forward with the "zipkv" attention (``torch_zipk
 hands its work to the ``zipkv_cache`` the cache's ``update`` put in the attention kwargs (see
 ``torch_zipkv/integrations/transformers.py``), here an :class:`EngineCache`, which is in one of two modes per call:
 
-- ``decode``: one token per batch row; ``append_kv`` and ``paged_decode`` on the page table the engine set in
-  ``tables`` (a ``DecodeStep``'s tensors, or a CUDA Graph's static copies of them, padded rows included);
+- ``decode``: one token per batch row, through the cache's own decode path (``step_append`` and ``step_decode``, as
+  ``ZipKVCache`` does) on the ``DecodeStep`` the engine set: the one ``prepare_step`` made, or a CUDA Graph's static
+  step (``CompressedPagedKVCache.static_step``, padded rows included);
 - ``prefill``: one chunk of one request; the chunk's K/V are appended to the request's pages, and the chunk attends
   to the request's earlier tokens (``gather``: decompressed into scratch, bit-exact) and to itself, causally, with the
   layer's sliding window, through transformers' SDPA (or an eager attention with Gemma 2's logit soft cap).
@@ -17,8 +18,7 @@ import torch
 from transformers import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import ops
-from ..cache import CompressedPagedKVCache
+from ..cache import CompressedPagedKVCache, DecodeStep
 from ..integrations.transformers import _PagedLayer, _softcapped_attention, hand_to_attention
 
 
@@ -37,14 +37,13 @@ class EngineCache(Cache):
     def __init__(self, kv: CompressedPagedKVCache):
         super().__init__(layers=[_EngineLayer() for _ in range(kv.num_layers)])
         self.kv = kv
-        self.window_left = [-1 if w is None else w - 1 for w in kv.sliding_window]  # paged_decode's convention
         self.mode: str | None = None
-        self.tables: tuple | None = None  # page_ids, slots, kv_indptr, kv_indices, kv_last_page_len
+        self.step: DecodeStep | None = None
         self.seq_id: int | None = None
         self.start = 0  # the prefill chunk's first position
 
-    def for_decode(self, tables: tuple) -> None:
-        self.mode, self.tables = "decode", tables
+    def for_decode(self, step: DecodeStep) -> None:
+        self.mode, self.step = "decode", step
 
     def for_prefill(self, seq_id: int, start: int) -> None:
         self.mode, self.seq_id, self.start = "prefill", seq_id, start
@@ -74,13 +73,10 @@ class EngineCache(Cache):
         if kv.sliding_window[layer] != sliding_window:
             raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, the engine's cache has "
                              f"{kv.sliding_window[layer]}")
-        if self.mode == "decode":
-            page_ids, slots, indptr, indices, last = self.tables
-            ops.append_kv(key[:, :, 0].contiguous(), value[:, :, 0].contiguous(), page_ids, slots, kv.page_size,
-                          kv.data, kv.meta(layer))
-            out = ops.paged_decode(query[:, :, 0].contiguous(), kv.data, kv.meta(layer), indptr, indices, last,
-                                   kv.page_size, sm_scale=scaling, window_left=self.window_left[layer],
-                                   logits_soft_cap=float(softcap or 0.0))
+        if self.mode == "decode":  # [B, H, 1, D] -> [B, H, D]
+            kv.step_append(layer, self.step, key[:, :, 0].contiguous(), value[:, :, 0].contiguous())
+            out = kv.step_decode(layer, self.step, query[:, :, 0].contiguous(), sm_scale=scaling,
+                                 logits_soft_cap=float(softcap or 0.0))
             return out.unsqueeze(1), None
         if self.mode != "prefill":
             raise RuntimeError("EngineCache used outside the engine's step (no mode set)")

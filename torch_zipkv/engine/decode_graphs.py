@@ -1,8 +1,10 @@
 """Decode steps replayed as CUDA Graphs: one graph per (batch bucket, page-table width), captured on first use.
 
-A graph is a capture of the model's eager forward over static input buffers: token ids, positions and the step's
-page table (``page_ids``, ``slots``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``). Before each replay the
-engine copies the step's tensors into them (device-to-device copies, no host sync).
+A graph is a capture of the model's eager forward over static input buffers: token ids, positions and a static
+``DecodeStep`` of the cache (``CompressedPagedKVCache.static_step``: ``page_ids``, ``slots``, ``kv_indptr``,
+``kv_indices``, ``kv_last_page_len``), which the forward reads through the cache's own ``step_append`` /
+``step_decode``. Before each replay the step the cache prepared is checked (``check_step``: this cache's, not stale)
+and copied into the buffers (device-to-device copies, no host sync).
 
 Padding: a batch of B rows runs in the bucket's Bp >= B rows. A padded row appends its (garbage) K/V to the engine's
 pad page (a page of a one-token sequence the engine keeps for this, so its slots 1.. are never anyone's tokens), each
@@ -27,7 +29,8 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class _Graph:
-    def __init__(self, batch: int, width: int, pad_page: int, page_size: int, device):
+    def __init__(self, kv, batch: int, width: int, pad_page: int):
+        device, page_size = kv.device, kv.page_size
         i32 = dict(dtype=torch.int32, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -39,20 +42,17 @@ class _Graph:
         self.indptr = torch.zeros(batch + 1, **i32)
         self.indices = torch.zeros(width, **i32)
         self.last = torch.zeros(batch, **i32)
+        self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last)
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
-    @property
-    def tables(self) -> tuple:
-        return self.page_ids, self.slots, self.indptr, self.indices, self.last
-
 
 class DecodeGraphs:
-    """Captures and replays decode steps. ``forward(ids [Bp, 1], pos [Bp, 1], tables) -> logits [Bp, vocab]`` runs the
-    model once (the engine's eager decode forward)."""
+    """Captures and replays the decode steps of the paged cache ``kv``. ``forward(ids [Bp, 1], pos [Bp, 1], step) ->
+    logits [Bp, vocab]`` runs the model once (the engine's eager decode forward) on a DecodeStep of ``kv``."""
 
-    def __init__(self, forward, *, max_batch: int, pad_page: int, page_size: int, device):
-        self.forward, self.pad_page, self.page_size, self.device = forward, pad_page, page_size, device
+    def __init__(self, forward, kv, *, max_batch: int, pad_page: int):
+        self.forward, self.kv, self.pad_page, self.device = forward, kv, pad_page, kv.device
         self.buckets = bucket_sizes(max_batch)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -64,20 +64,21 @@ class DecodeGraphs:
         raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
 
     def _capture(self, batch: int, width: int) -> _Graph:
-        g = _Graph(batch, width, self.pad_page, self.page_size, self.device)
+        g = _Graph(self.kv, batch, width, self.pad_page)
         # Every row is a padded row while capturing: the warm-up run writes only into the pad page.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.forward(g.ids, g.pos, g.tables)
+            self.forward(g.ids, g.pos, g.step)
         torch.cuda.current_stream(self.device).wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.pool):
-            g.logits = self.forward(g.ids, g.pos, g.tables)
+            g.logits = self.forward(g.ids, g.pos, g.step)
         return g
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, step) -> torch.Tensor:
         """Replay the decode step of B rows (``ids``, ``pos`` int64 [B]; ``step`` a DecodeStep); returns the
         logits [B, vocab] (a view of the graph's output, valid until the next replay)."""
+        self.kv.check_step(step, "decode graph")
         b = ids.shape[0]
         bp = self.bucket(b)
         n = step.kv_indices.shape[0]

@@ -1,58 +1,36 @@
-"""The continuous-batching engine: admission against the cache's capacity, chunked prefill, decode steps (CUDA Graphs
-on CUDA), sampling on the device and tokens read back one step late. docs/engine.md explains the design."""
+"""The continuous-batching engine: a :class:`~torch_zipkv.engine.scheduler.Scheduler` (requests, admission against
+the cache's capacity, what each step prefills and decodes; host only) and a
+:class:`~torch_zipkv.engine.runner.ModelRunner` (the model's forwards on the paged cache, CUDA Graphs, sampling on the
+device, tokens read back one step late), with the tensor-parallel exchange (:mod:`torch_zipkv.engine.tp`) between
+ranks. docs/engine.md explains the design."""
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from ..cache import CacheFullError, CompressedPagedKVCache
-from ..distributed import check_process_group, exchange, host_group, tp_group
-from ..integrations.transformers import cache_kwarg, enable, kv_geometry
-from ..upload import Uploader
-from .attention import EngineCache
-from .decode_graphs import DecodeGraphs
-from ..checks import is_int as _is_int
+from ..cache import CompressedPagedKVCache
+from ..checks import check_int, is_int
+from ..distributed import check_process_group, host_group, tp_group
+from ..integrations.transformers import enable, kv_geometry
 from .params import RequestOutput, SamplingParams
-from .sampling import sample, seed32
+from .runner import ModelRunner
+from .sampling import seed32
+from .scheduler import Scheduler
+from .tp import RankSync
 
 _CPU_DEFAULT_KV_BYTES = 256 << 20
 _CUDA_DEFAULT_MEMORY_FRACTION = 0.7
-_UNLIMITED_BATCH = 1024  # the largest bucket when max_batch is None
-
-
-class _Request:
-    __slots__ = ("rid", "prompt", "params", "kv_source", "seq_id", "slot", "state", "prefilled", "launched",
-                 "tokens", "emitted", "reason", "stops")
-
-    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, kv_source):
-        self.rid, self.prompt, self.params, self.kv_source = rid, prompt, params, kv_source
-        self.seq_id: int | None = None  # in the paged cache, once admitted
-        self.slot: int | None = None  # row of the engine's device tables, once admitted
-        self.state = "waiting"  # waiting -> prefill -> decode -> finished
-        self.prefilled = 0  # prompt tokens in the cache
-        self.launched = 0  # tokens whose sampling is queued on the device
-        self.tokens: list[int] = []  # tokens read back
-        self.emitted = 0  # tokens already reported by step()
-        self.reason: str | None = None
-        self.stops = frozenset(params.stop_token_ids)
-
-    @property
-    def wants_decode(self) -> bool:
-        return self.state == "decode" and self.launched < self.params.max_new_tokens
 
 
 class Engine:
     """Continuous batching over a transformers causal LM whose KV cache lives in one
     :class:`~torch_zipkv.CompressedPagedKVCache`.
 
-    ``model`` is switched to the "zipkv" attention in place (``torch_zipkv.enable``); it must be bfloat16.
+    ``model`` is switched to the "zipkv" attention in place (``torch_zipkv.enable``, which refuses a model the cache
+    or the decode kernel cannot serve); it must be bfloat16.
 
     Under tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``) every rank builds an engine
     over its shard and runs the same steps: the cache holds the rank's KV heads and agrees on what fits with the other
@@ -70,7 +48,8 @@ class Engine:
         page_size: tokens per page (a multiple of 16).
         compress_every: steps between compression rounds.
         seed: seeds the draws of requests that give no seed.
-        kv_chunk_bytes: the cache's arena chunk (default 4 MiB; smaller for tiny models and budgets).
+        kv_chunk_bytes: the cache's arena chunk (default: sized from the budget, see
+            :class:`~torch_zipkv.CompressedPagedKVCache`).
     """
 
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
@@ -82,22 +61,20 @@ class Engine:
         param = next(model.parameters())
         if param.dtype != torch.bfloat16:
             raise ValueError(f"model must be bfloat16 (the cache stores BF16 K/V), got {param.dtype}")
-        for name, value, low in (("prefill_chunk", prefill_chunk, 1), ("compress_every", compress_every, 1)):
-            if not _is_int(value):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        if max_batch is not None:
-            if not _is_int(max_batch):
-                raise TypeError(f"max_batch must be None or an int, got {type(max_batch).__name__}")
-            if max_batch < 1:
-                raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if not isinstance(compress, bool):
-            raise TypeError(f"compress must be a bool, got {type(compress).__name__}")
+        check_int("prefill_chunk", prefill_chunk, 1)
+        check_int("compress_every", compress_every, 1)
+        check_int("max_batch", max_batch, 1, optional=True)
+        check_int("max_kv_bytes", max_kv_bytes, 1, optional=True)
+        check_int("kv_chunk_bytes", kv_chunk_bytes, 1, optional=True)
+        check_int("seed", seed)
+        for name, flag in (("compress", compress), ("cuda_graphs", cuda_graphs)):
+            if not isinstance(flag, bool) and not (name == "cuda_graphs" and flag is None):
+                raise TypeError(f"{name} must be a bool{' or None' if name == 'cuda_graphs' else ''}, got "
+                                f"{type(flag).__name__}")
+        if max_kv_bytes is not None and memory_fraction is not None:
+            raise ValueError("give at most one of max_kv_bytes and memory_fraction")
         self.device = param.device
         on_cuda = self.device.type == "cuda"
-        if cuda_graphs is None:
-            cuda_graphs = on_cuda
         if max_kv_bytes is None and memory_fraction is None:
             if on_cuda:
                 memory_fraction = _CUDA_DEFAULT_MEMORY_FRACTION
@@ -116,59 +93,48 @@ class Engine:
         # Under tensor parallelism: the ranks' host-side group (gloo), for the cache's agreement on what fits and the
         # per-step exchange; host collectives never wait for the device. None for a model that is not sharded.
         tp = tp_group(model)
-        self._group = None if tp is None else check_process_group(host_group(tp))
-        self.rank = 0 if self._group is None else dist.get_rank(self._group)
+        group = None if tp is None else check_process_group(host_group(tp))
         self.kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size,
                                          max_bytes=max_kv_bytes, memory_fraction=memory_fraction,
-                                         device=self.device, sliding_window=windows, process_group=self._group,
-                                         **({} if kv_chunk_bytes is None else {"chunk_bytes": kv_chunk_bytes}))
+                                         device=self.device, sliding_window=windows, process_group=group,
+                                         chunk_bytes=kv_chunk_bytes)
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
-        self.hf_cache = EngineCache(self.kv)
-        self._cache_kw = cache_kwarg(model)
-        self._upload = Uploader(self.device)
-
-        self._graphs = None
-        if cuda_graphs and on_cuda:
-            # A one-token sequence whose page takes the padded rows' writes (slots 1..): never full, never compressed.
-            self._pad_seq = self.kv.add_sequence(prompt_len=1)
-            zero = torch.zeros(1, num_kv_heads, head_dim, dtype=torch.bfloat16, device=self.device)
-            for layer in range(self.kv.num_layers):
-                self.kv.append(layer, self._pad_seq, zero, zero)
-            pad_page = int(self.kv.page_table(0, [self._pad_seq])[1][0])
-            self._graphs = DecodeGraphs(self._decode_forward, max_batch=max_batch or _UNLIMITED_BATCH,
-                                        pad_page=pad_page, page_size=page_size, device=self.device)
+        self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda if cuda_graphs is None else
+                                  cuda_graphs and on_cuda, max_batch=max_batch)
+        self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
-
-        # Per-request device tables, indexed by the request's slot (row).
-        self._seed_of: dict[int, int] = {}  # seeds of waiting requests, until they get a row
-        self._rows = 0
-        self._free_slots: list[int] = []
-        self._grow_tables(64)
 
         self._rng = random.Random(seed)
         self._next_id = 0  # ids are issued in order: 0 .. _next_id - 1
-        self._requests: dict[int, _Request] = {}  # every request not yet reported finished
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []  # admitted, in admission order (prefill or decode)
-        self._finished_out: list[_Request] = []  # finished (abort) but not yet reported
         self._in_flight = None  # (requests, host tokens, event) of the last step: read back at the next
-        self._host_bufs = [None, None]
+        self._undelivered: list[RequestOutput] = []  # outputs that generate / stream took for other requests
         self._steps = 0
         self._largest_batch = 0
         self._generated = 0
         self._prefilled = 0
-        # Tensor parallelism: this rank's add_request / abort calls since the last step, and a digest of its state
-        # after the last step (_sync_ranks).
-        self._log: list[tuple] = []
-        self._state_digest = b""
+        self._tp = None if group is None else RankSync(group, replay_add=self._enqueue,
+                                                        replay_abort=self.scheduler.abort,
+                                                        draw_seed=lambda: self._rng.getrandbits(32))
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *,
                     kv_source: Callable | None = None) -> int:
         """Queue a request; returns its id. ``prompt_ids``: a list of ints or a 1-D integer tensor (a str needs the
         engine's tokenizer). ``kv_source`` (benchmarks): ``kv_source(layer) -> (k, v)``, each bf16
-        [len(prompt_ids) - 1, num_kv_heads, head_dim] on the cache's device, appended instead of running the prompt
-        through the model; the first decode step then feeds ``prompt_ids[-1]``."""
+        [len(prompt_ids) - 1, num_kv_heads, head_dim] on the cache's device, appended at admission instead of
+        running the prompt through the model; the first decode step then feeds ``prompt_ids[-1]``. If it returns a
+        wrong tensor (ValueError) or raises, the :meth:`step` that admits the request aborts it (its last output,
+        reason "abort", comes with a later step) and raises that error; the engine keeps serving the others."""
+        prompt, params = self._check_request(prompt_ids, params, kv_source)
+        seed = self._rng.getrandbits(32) if params.seed is None else seed32(params.seed)
+        rid = self._next_id
+        self._enqueue(rid, prompt, params, seed, kv_source)
+        if self._tp is not None:
+            self._tp.record(("add", rid, tuple(prompt), params, seed, kv_source is not None))
+        return rid
+
+    def _check_request(self, prompt_ids, params, kv_source=None) -> tuple[list[int], SamplingParams]:
+        """The prompt as a list of ids and the params, or the error that refuses the request (nothing changes)."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -185,292 +151,83 @@ class Engine:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
                              f"{pages} pages per layer, more than the whole KV cache holds ({self._empty_pages}); "
                              "raise max_kv_bytes / memory_fraction or shorten the request")
-        if params.seed is None:
-            params_seed = self._rng.getrandbits(32)
-        else:
-            params_seed = seed32(params.seed)
-        rid = self._next_id
-        self._enqueue(rid, prompt, params, params_seed, kv_source)
-        if self._group is not None:
-            self._log.append(("add", rid, tuple(prompt), params, params_seed, kv_source is not None))
-        return rid
+        return prompt, params
 
-    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source) -> None:
-        req = _Request(rid, prompt, params, kv_source)
+    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None) -> None:
         self._next_id = rid + 1
-        self._seed_of[rid] = seed
-        self._requests[rid] = req
-        self._waiting.append(req)
+        self.scheduler.add(rid, prompt, params, seed, kv_source)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request (waiting or running). Its last :class:`RequestOutput` (finish reason "abort") comes with
         the next :meth:`step`. Returns False if it had already finished; KeyError for an id never issued."""
-        if not _is_int(request_id):
-            raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        check_int("request_id", request_id)
         if not 0 <= request_id < self._next_id:
             raise KeyError(f"no request with id {request_id}")
-        if self._group is not None:
-            self._log.append(("abort", int(request_id)))
-        return self._abort(request_id)
-
-    def _abort(self, request_id: int) -> bool:
-        req = self._requests.get(request_id)
-        if req is None or req.state == "finished":
-            return False
-        if req.state == "waiting":
-            self._waiting.remove(req)
-            self._seed_of.pop(req.rid, None)
-        else:
-            self._release(req)
-        req.state, req.reason = "finished", "abort"
-        self._finished_out.append(req)
-        return True
+        if self._tp is not None:
+            self._tp.record(("abort", int(request_id)))
+        return self.scheduler.abort(int(request_id))
 
     def has_unfinished(self) -> bool:
         """Whether some request is waiting, running, or has outputs that :meth:`step` has not reported yet."""
-        return bool(self._waiting or self._running or self._finished_out or self._in_flight)
+        return bool(self.scheduler.has_unfinished() or self._in_flight or self._undelivered)
 
     # ---- the step ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """One engine step: admit what fits, run one decode step for the running batch and up to ``prefill_chunk``
         prompt tokens of the requests being prefilled, and report the tokens of the step before (read back one step
-        late, so the host plans this step while the device runs the last). Under tensor parallelism a collective: every
-        rank calls it."""
-        if self._group is not None:
-            self._sync_ranks()
+        late, so the host plans this step while the device runs the last), with any outputs :meth:`generate` or
+        :meth:`stream` left for the caller. Under tensor parallelism a collective: every rank calls it."""
+        if self._tp is not None:
+            self._tp.sync(self._steps)
         self._steps += 1
         if self.compress and self._steps % self.compress_every == 0:
             self.kv.compress_full_pages(wait=False)
         self._admit()
-        launched: list[tuple[list[_Request], torch.Tensor]] = []  # (rows, their sampled tokens on the device)
-        decoding = [r for r in self._running if r.wants_decode]
+        sched, runner = self.scheduler, self.runner
+        launched = []  # (requests, their sampled tokens on the device)
+        decoding = sched.decoding()
         if decoding:
-            launched.append((decoding, self._decode(decoding)))
+            launched.append((decoding, runner.decode(decoding)))
+            sched.launched(decoding)
             self._largest_batch = max(self._largest_batch, len(decoding))
-        launched += self._prefill()
-        previous = self._in_flight
-        self._in_flight = self._launch_readback(launched)
-        if previous is not None:
-            self._read_back(previous)
-        outs = self._report()
-        if self._group is not None:
-            self._state_digest = self._state_of(outs)
-        return outs
-
-    # ---- tensor parallelism -----------------------------------------------------------------------------------
-    @property
-    def process_group(self):
-        """The ranks' host (gloo) group under tensor parallelism, else None."""
-        return self._group
-
-    def _sync_ranks(self) -> None:
-        """Bring rank 0's add_request / abort calls since the last step to every rank, and check that the ranks
-        agree. One host collective (gloo) per step, no device sync.
-
-        Rank 0 sends its calls; every other rank sends a digest of its own calls: a rank that made none replays
-        rank 0's (a rank that only steps: aborts from rank 0, requests arriving at rank 0), one that made them must
-        have made the same. Every rank also sends a digest of its state after the last step (requests admitted,
-        their progress, the tokens reported). Everything else is identical by construction (admission through the
-        cache's agreed capacity, sampling on the same logits with the same seeds), so a difference is a bug; every
-        rank raises the same error rather than one rank leaving the others waiting in a collective."""
-        log, self._log = self._log, []
-        mine = log if self.rank == 0 else (_digest(log) if log else None)
-        got = exchange((self._state_digest, mine), self._group)
-        events = got[0][1]
-        diverged = [r for r, (state, _) in enumerate(got) if state != got[0][0]]
-        if diverged:
-            raise RuntimeError(f"tensor-parallel ranks {diverged} disagree with rank 0 on the engine's state after step "
-                               f"{self._steps} (requests admitted, tokens sampled); the ranks must run the same model "
-                               "and engine arguments, with every rank calling step()")
-        want = _digest(events)
-        differ = [r for r, (_, calls) in enumerate(got[1:], 1) if calls is not None and calls != want]
-        if differ:
-            raise RuntimeError(f"ranks {differ} called add_request / abort differently from rank 0 before step "
-                               f"{self._steps + 1}: under tensor parallelism a rank other than 0 makes the same calls "
-                               "as rank 0 or none (it then follows rank 0's)")
-        followers = [r for r, (_, calls) in enumerate(got[1:], 1) if calls is None]
-        injected = [e[1] for e in events if e[0] == "add" and e[5]]
-        if followers and injected:
-            raise RuntimeError(f"requests {injected} were added on rank 0 with a kv_source, which ranks {followers} "
-                               "cannot replay: each rank must add such a request with its own kv_source")
-        if self.rank != 0 and not log:
-            for e in events:
-                if e[0] == "add":
-                    if e[3].seed is None:  # draw as rank 0 did, so that later same calls draw the same seeds
-                        self._rng.getrandbits(32)
-                    self._enqueue(e[1], list(e[2]), e[3], e[4], None)
-                else:
-                    self._abort(e[1])
-
-    def _state_of(self, outs: list[RequestOutput]) -> bytes:
-        """What every rank must agree on after a step: the requests waiting and running with their progress, and
-        the tokens this step reported."""
-        running = tuple((r.rid, r.state, r.prefilled, r.launched, len(r.tokens)) for r in self._running)
-        reported = tuple((o.request_id, tuple(o.new_token_ids), o.finish_reason) for o in outs)
-        return _digest((self._steps, self._next_id, tuple(r.rid for r in self._waiting), running, reported))
-
-    # ---- admission ----------------------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        # FCFS, head of line: a request waits until the one before it is admitted, so none starves.
-        while self._waiting:
-            if self.max_batch is not None and len(self._running) >= self.max_batch:
-                return
-            req = self._waiting[0]
-            try:
-                req.seq_id = self.kv.add_sequence(prompt_len=len(req.prompt),
-                                                  max_new_tokens=req.params.max_new_tokens)
-            except CacheFullError:
-                return
-            self._waiting.popleft()
-            self._take_slot(req)
-            self._running.append(req)
-            if req.kv_source is not None:
-                self._inject(req)
-            else:
-                req.state = "prefill"
-
-    def _inject(self, req: _Request) -> None:
-        n = len(req.prompt) - 1
-        want = (n, self.kv.num_kv_heads, self.kv.head_dim)
-        for layer in range(self.kv.num_layers):
-            k, v = req.kv_source(layer)
-            for name, t in (("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or tuple(t.shape) != want \
-                        or t.device != self.device:
-                    self._release(req)
-                    self._running.remove(req)
-                    req.state, req.reason = "finished", "abort"
-                    self._finished_out.append(req)
-                    raise ValueError(f"kv_source({layer}) must return bf16 {name} of shape {list(want)} on "
-                                     f"{self.device}, got {getattr(t, 'dtype', type(t).__name__)} "
-                                     f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', None)}; "
-                                     f"request {req.rid} is aborted")
-            if n:
-                self.kv.append(layer, req.seq_id, k, v)
-        req.prefilled = len(req.prompt)
-        self._set_row(req, next_token=req.prompt[-1], position=n)
-        req.state = "decode"
-
-    # ---- prefill ----------------------------------------------------------------------------------------------
-    def _prefill(self) -> list:
-        budget, launched = self.prefill_chunk, []
-        for req in list(self._running):
-            if budget == 0:
-                break
-            if req.state != "prefill":
-                continue
-            start = req.prefilled
-            n = min(budget, len(req.prompt) - start)
-            budget -= n
-            ids, = self._upload(np.asarray(req.prompt[start: start + n], dtype=np.int64))
-            pos = torch.arange(start, start + n, device=self.device)[None]
-            self.hf_cache.for_prefill(req.seq_id, start)
-            logits = self.model(input_ids=ids[None], position_ids=pos, use_cache=True, logits_to_keep=1,
-                                **{self._cache_kw: self.hf_cache}).logits[:, -1]
-            req.prefilled += n
+        for req, start, n in sched.prefill_chunks(self.prefill_chunk):
+            first = runner.prefill(req, start, n)
             self._prefilled += n
-            if req.prefilled == len(req.prompt):
-                slot = torch.full((1,), req.slot, dtype=torch.long, device=self.device)
-                self._pos[req.slot] = len(req.prompt) - 1
-                launched.append(([req], self._sample_and_store(logits, slot, [req])))
-                req.state = "decode"
-        return launched
-
-    # ---- decode -----------------------------------------------------------------------------------------------
-    def _decode(self, batch: list[_Request]) -> torch.Tensor:
-        step = self.kv.prepare_step([r.seq_id for r in batch])
-        slots, = self._upload(np.fromiter((r.slot for r in batch), dtype=np.int64, count=len(batch)))
-        ids, pos = self._next[slots], self._pos[slots]
-        if self._graphs is not None:
-            logits = self._graphs.run(ids, pos, step)
-        else:
-            if step.stale:  # (cannot happen: nothing changes the cache between prepare_step and here)
-                raise RuntimeError("decode step prepared before a change of the cache")
-            logits = self._decode_forward(ids[:, None], pos[:, None], (step.page_ids, step.slots, step.kv_indptr,
-                                                                       step.kv_indices, step.kv_last_page_len))
-        return self._sample_and_store(logits, slots, batch)
-
-    def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, tables: tuple) -> torch.Tensor:
-        self.hf_cache.for_decode(tables)
-        return self.model(input_ids=ids, position_ids=pos, use_cache=True,
-                          **{self._cache_kw: self.hf_cache}).logits[:, -1]
-
-    def _sample_and_store(self, logits: torch.Tensor, slots: torch.Tensor, batch: list[_Request]) -> torch.Tensor:
-        """Sample the next token of each row; store it (the next input) and advance the position, on the device."""
-        pos = self._pos[slots] + 1  # the sampled token's position
-        sampled = [r for r in batch if not r.params.greedy]
-        if sampled:
-            tokens = sample(logits, self._temp[slots], self._top_k[slots], self._top_p[slots], self._seed[slots], pos,
-                            any_sampled=True, any_filtered=any(r.params.top_k > 0 or r.params.top_p < 1
-                                                               for r in sampled))
-        else:  # an all-greedy batch gathers no sampling parameters
-            tokens = logits.argmax(-1)
-        self._next[slots] = tokens
-        self._pos[slots] = pos
-        for r in batch:
-            r.launched += 1
-        return tokens
-
-    # ---- read back ----------------------------------------------------------------------------------------------
-    def _launch_readback(self, launched: list):
-        if not launched:
-            return None
-        reqs = [r for batch, _ in launched for r in batch]
-        tokens = launched[0][1] if len(launched) == 1 else torch.cat([t for _, t in launched])
-        if self.device.type != "cuda":
-            return reqs, tokens, None
-        buf = self._host_bufs[self._steps % 2]
-        if buf is None or buf.numel() < tokens.numel():
-            buf = self._host_bufs[self._steps % 2] = torch.empty(max(256, 2 * tokens.numel()), dtype=torch.long,
-                                                                 pin_memory=True)
-        host = buf[: tokens.numel()]
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return reqs, host, event
-
-    def _read_back(self, in_flight) -> None:
-        reqs, host, event = in_flight
-        if event is not None:
-            event.synchronize()  # the step's one wait: for the step before, while the device runs this one
-        for req, tok in zip(reqs, host.tolist()):
-            if req.state == "finished":  # stopped or aborted meanwhile: a token launched one step late, dropped
-                continue
-            req.tokens.append(tok)
-            self._generated += 1
-            if tok in req.stops:
-                self._finish(req, "stop")
-            elif len(req.tokens) == req.params.max_new_tokens:
-                self._finish(req, "length")
-
-    def _finish(self, req: _Request, reason: str) -> None:
-        self._release(req)
-        req.state, req.reason = "finished", reason
-        self._finished_out.append(req)
-
-    def _report(self) -> list[RequestOutput]:
-        outs = [self._output(r) for r in self._running if len(r.tokens) > r.emitted]
-        for req in self._finished_out:  # released, so no longer running
-            outs.append(self._output(req))
-            self._requests.pop(req.rid, None)
-        self._finished_out = []
+            if sched.prefilled(req, n):
+                launched.append(([req], first))
+                sched.launched([req])
+        previous, self._in_flight = self._in_flight, runner.launch_readback(launched)
+        if previous is not None:
+            reqs, tokens = runner.read_back(previous)
+            self._generated += sum(r.state != "finished" for r in reqs)
+            sched.read_back(reqs, tokens)
+        outs = sched.report(self.tokenizer)
+        if self._tp is not None:
+            self._tp.after_step(self._steps, self._next_id, sched, outs)
+        if self._undelivered:
+            outs, self._undelivered = self._undelivered + outs, []
         return outs
 
-    def _output(self, req: _Request) -> RequestOutput:
-        new = req.tokens[req.emitted:]
-        req.emitted = len(req.tokens)
-        text = None
-        if self.tokenizer is not None and req.state == "finished":  # once: decoding every step would cost O(n^2)
-            text = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
-        return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt, new_token_ids=new,
-                             token_ids=list(req.tokens), finished=req.state == "finished",
-                             finish_reason=req.reason, text=text)
+    def _admit(self) -> None:
+        """Admit what fits, giving each request its row; inject a ``kv_source`` request's K/V. A request that cannot
+        be set up is aborted before the error propagates, so nothing of it stays behind."""
+        for req in self.scheduler.admit():
+            try:
+                self.runner.take_row(req)
+                if req.kv_source is not None:
+                    self.runner.inject(req)
+                    req.prefilled, req.state = len(req.prompt), "decode"
+            except BaseException:
+                self.scheduler.finish(req, "abort")
+                raise
 
     # ---- whole batches ------------------------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` (a list of token-id lists, 1-D tensors or str) to the end; returns one finished
-        :class:`RequestOutput` per prompt, in order. ``params``: one for all, or one per prompt."""
+    def generate(self, prompts: Iterable, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` (an iterable of token-id lists, 1-D tensors or str) to the end; returns one finished
+        :class:`RequestOutput` per prompt, in order. ``params``: one for all, or one per prompt. Outputs of other
+        requests that finish meanwhile are kept for the next :meth:`step`."""
         final = {}
         ids = self._add_all(prompts, params)
         for out in self._outputs_of(ids):
@@ -478,44 +235,73 @@ class Engine:
                 final[out.request_id] = out
         return [final[i] for i in ids]
 
-    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Like :meth:`generate`, yielding each :class:`RequestOutput` as soon as a step reports it."""
+    def stream(self, prompts: Iterable, params: SamplingParams | list[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Like :meth:`generate`, yielding each :class:`RequestOutput` of these prompts as soon as a step reports
+        it."""
         yield from self._outputs_of(self._add_all(prompts, params))
 
     def _add_all(self, prompts, params) -> list[int]:
-        if isinstance(prompts, (str, torch.Tensor)) or (prompts and _is_int(prompts[0])):
-            raise TypeError("prompts must be a list of prompts (token-id lists, 1-D tensors or str)")
-        prompts = list(prompts)
+        if isinstance(prompts, (str, torch.Tensor)):
+            raise TypeError("prompts must be an iterable of prompts (token-id lists, 1-D tensors or str), got "
+                            f"{type(prompts).__name__}")
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise TypeError(f"prompts must be an iterable of prompts, got {type(prompts).__name__}") from None
+        if prompts and is_int(prompts[0]):
+            raise TypeError("prompts must be an iterable of prompts (token-id lists, 1-D tensors or str), got one "
+                            "prompt's ids: wrap it in a list")
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"params has {len(per)} entries for {len(prompts)} prompts")
-        return [self.add_request(p, sp) for p, sp in zip(prompts, per)]
+        checked = [self._check_request(p, sp) for p, sp in zip(prompts, per)]  # a refusal queues none of them
+        return [self.add_request(p, sp) for p, sp in checked]
 
     def _outputs_of(self, ids: list[int]) -> Iterator[RequestOutput]:
-        pending = set(ids)
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError(f"requests {sorted(pending)} were lost")  # a bug, never a silent hang
-            for out in self.step():
-                if out.request_id in pending:
+        """Step until every request of ``ids`` has finished, yielding their outputs; other requests' outputs go to
+        the next :meth:`step`'s caller."""
+        pending, others = set(ids), []
+        try:
+            while pending:
+                if not self.has_unfinished():
+                    raise RuntimeError(f"requests {sorted(pending)} were lost")  # a bug, never a silent hang
+                for out in self.step():
+                    if out.request_id not in pending:
+                        others.append(out)
+                        continue
                     yield out
                     if out.finished:
                         pending.discard(out.request_id)
+        finally:
+            self._undelivered[:0] = others
 
     # ---- stats ------------------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank in the tensor-parallel group (0 without one)."""
+        return 0 if self._tp is None else self._tp.rank
+
+    @property
+    def process_group(self):
+        """The ranks' host (gloo) group under tensor parallelism, else None."""
+        return None if self._tp is None else self._tp.group
+
     def stats(self) -> dict:
         """``running`` (requests admitted: ``prefilling`` + ``decoding``), ``waiting`` (queue length),
         ``kv_bytes_total`` (the cache's budget: arena + meta), ``kv_bytes_free`` (free chunks), ``kv_bytes_stored`` /
         ``kv_bytes_raw`` (live pages as stored / as BF16), ``kv_ratio``, ``largest_batch`` (decode rows in one step so
         far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured)."""
         s = self.kv.stats()
-        prefilling = sum(r.state == "prefill" for r in self._running)
-        return {"running": len(self._running), "prefilling": prefilling, "decoding": len(self._running) - prefilling,
-                "waiting": len(self._waiting), "kv_bytes_total": self.max_kv_bytes,
+        running = self.scheduler.running
+        prefilling = sum(r.state == "prefill" for r in running)
+        graphs = self.runner.graphs
+        return {"running": len(running), "prefilling": prefilling, "decoding": len(running) - prefilling,
+                "waiting": len(self.scheduler.waiting), "kv_bytes_total": self.max_kv_bytes,
                 "kv_bytes_free": s["free_chunks"] * s["chunk_bytes"], "kv_bytes_stored": s["stored_bytes"],
                 "kv_bytes_raw": s["raw_bytes"], "kv_ratio": s["ratio"], "largest_batch": self._largest_batch,
                 "steps": self._steps, "generated_tokens": self._generated, "prefilled_tokens": self._prefilled,
-                "cuda_graphs": 0 if self._graphs is None else len(self._graphs.graphs)}
+                "cuda_graphs": 0 if graphs is None else len(graphs.graphs)}
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _prompt_list(self, prompt_ids) -> list[int]:
@@ -532,7 +318,7 @@ class Engine:
         elif isinstance(prompt_ids, (list, tuple)):
             prompt = list(prompt_ids)
             for t in prompt:
-                if not _is_int(t):
+                if not is_int(t):
                     raise TypeError(f"prompt_ids must hold ints, got {type(t).__name__} {t!r}")
             prompt = [int(t) for t in prompt]
         else:
@@ -543,50 +329,3 @@ class Engine:
         if bad:
             raise ValueError(f"prompt_ids holds ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return prompt
-
-    def _grow_tables(self, rows: int) -> None:
-        old = self._rows
-        dev = self.device
-
-        def grown(t, dtype):
-            new = torch.zeros(rows, dtype=dtype, device=dev)
-            if t is not None:
-                new[:old] = t
-            return new
-
-        g = lambda name, dtype: grown(getattr(self, name, None), dtype)  # noqa: E731
-        self._next, self._pos, self._seed = g("_next", torch.long), g("_pos", torch.long), g("_seed", torch.long)
-        self._top_k, self._temp, self._top_p = g("_top_k", torch.long), g("_temp", torch.float32), \
-            g("_top_p", torch.float32)
-        self._free_slots.extend(range(rows - 1, old - 1, -1))
-        self._rows = rows
-
-    def _take_slot(self, req: _Request) -> None:
-        if not self._free_slots:
-            self._grow_tables(2 * self._rows)
-        req.slot = self._free_slots.pop()
-        p = req.params
-        self._temp[req.slot] = 0.0 if p.greedy else p.temperature
-        self._top_k[req.slot] = p.top_k
-        self._top_p[req.slot] = p.top_p
-        self._seed[req.slot] = self._seed_of.pop(req.rid)
-
-    def _set_row(self, req: _Request, *, next_token: int, position: int) -> None:
-        self._next[req.slot] = next_token
-        self._pos[req.slot] = position
-
-    def _release(self, req: _Request) -> None:
-        """Give back a running request's pages and row (the device work queued before runs first: one stream)."""
-        if req.seq_id is not None:
-            self.kv.free_sequence(req.seq_id)
-            req.seq_id = None
-        if req.slot is not None:
-            self._free_slots.append(req.slot)
-            req.slot = None
-        if req in self._running:
-            self._running.remove(req)
-
-
-def _digest(value) -> bytes:
-    """A short digest of ``value`` (ints, strs, tuples, SamplingParams: their repr is the same in every process)."""
-    return hashlib.blake2b(repr(value).encode(), digest_size=16).digest()

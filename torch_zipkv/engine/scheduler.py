@@ -1,0 +1,170 @@
+"""The engine's scheduler: requests, the FCFS queue, admission against the KV cache's promises, what each step
+prefills and decodes, finishing, and the outputs each step reports. Host only: no model, no device tensors, so it
+can be driven and tested with a bare :class:`~torch_zipkv.CompressedPagedKVCache` (or anything with its
+``add_sequence`` / ``free_sequence``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from ..cache import CacheFullError
+from .params import RequestOutput, SamplingParams
+
+
+class Request:
+    """One request's life: waiting -> prefill -> decode -> finished (a ``kv_source`` request skips prefill)."""
+
+    __slots__ = ("rid", "prompt", "params", "seed", "kv_source", "seq_id", "slot", "state", "prefilled", "launched",
+                 "tokens", "emitted", "reason", "stops")
+
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None):
+        self.rid, self.prompt, self.params, self.seed, self.kv_source = rid, prompt, params, seed, kv_source
+        self.seq_id: int | None = None  # in the paged cache, once admitted
+        self.slot: int | None = None  # row of the runner's device tables, once admitted
+        self.state = "waiting"
+        self.prefilled = 0  # prompt tokens in the cache
+        self.launched = 0  # tokens whose sampling is queued on the device
+        self.tokens: list[int] = []  # tokens read back
+        self.emitted = 0  # tokens already reported
+        self.reason: str | None = None
+        self.stops = frozenset(params.stop_token_ids)
+
+    @property
+    def wants_decode(self) -> bool:
+        return self.state == "decode" and self.launched < self.params.max_new_tokens
+
+
+class Scheduler:
+    """Requests and their progress over one paged cache ``kv``.
+
+    Admission is FCFS with head-of-line blocking: a request is admitted when ``kv.add_sequence`` can promise its
+    whole budget (prompt + ``max_new_tokens``), and nothing overtakes the head, so no request starves. ``max_batch``
+    caps the requests admitted at once. ``release(request)`` gives back what the caller attached to an admitted
+    request (the runner's table row) when it finishes or is aborted; the scheduler frees its pages.
+
+    Outputs: :meth:`report` returns each request's new tokens once, and its finished output exactly once."""
+
+    def __init__(self, kv, *, max_batch: int | None = None, release: Callable[[Request], None] = lambda r: None):
+        self.kv, self.max_batch, self.release = kv, max_batch, release
+        self.requests: dict[int, Request] = {}  # every request not yet reported finished
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted, in admission order (prefill or decode)
+        self.finished: list[Request] = []  # finished, not yet reported
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None) -> Request:
+        req = Request(rid, prompt, params, seed, kv_source)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: int) -> bool:
+        """Finish a waiting or running request with reason "abort"; False if it is unknown or finished already."""
+        req = self.requests.get(rid)
+        if req is None or req.state == "finished":
+            return False
+        if req.state == "waiting":
+            self.waiting.remove(req)
+            req.state, req.reason = "finished", "abort"
+            self.finished.append(req)
+        else:
+            self.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Some request is waiting, running, or finished but not yet reported."""
+        return bool(self.waiting or self.running or self.finished)
+
+    # ---- a step -----------------------------------------------------------------------------------------------
+    def admit(self):
+        """Admit waiting requests in order while their budgets fit; yields each one admitted (``seq_id`` set, state
+        "prefill"), before the next is tried, so the caller can set it up. A caller that cannot set one up aborts it
+        (:meth:`finish`) before it asks for the next."""
+        while self.waiting:
+            if self.max_batch is not None and len(self.running) >= self.max_batch:
+                return
+            req = self.waiting[0]
+            try:
+                req.seq_id = self.kv.add_sequence(prompt_len=len(req.prompt),
+                                                  max_new_tokens=req.params.max_new_tokens)
+            except CacheFullError:
+                return
+            self.waiting.popleft()
+            self.running.append(req)
+            req.state = "prefill"
+            yield req
+
+    def decoding(self) -> list[Request]:
+        """The running requests that decode one token this step."""
+        return [r for r in self.running if r.wants_decode]
+
+    def prefill_chunks(self, budget: int) -> list[tuple[Request, int, int]]:
+        """``(request, start, n)``: the prompt tokens to prefill this step, at most ``budget`` over all requests, in
+        admission order."""
+        chunks = []
+        for req in self.running:
+            if budget == 0:
+                break
+            if req.state == "prefill":
+                n = min(budget, len(req.prompt) - req.prefilled)
+                chunks.append((req, req.prefilled, n))
+                budget -= n
+        return chunks
+
+    def prefilled(self, req: Request, n: int) -> bool:
+        """``n`` more prompt tokens of ``req`` are in the cache; True when that completes the prompt (the caller
+        then launches its first token: see :meth:`launched`) and the request decodes from the next step."""
+        req.prefilled += n
+        if req.prefilled < len(req.prompt):
+            return False
+        req.state = "decode"
+        return True
+
+    def launched(self, reqs: list[Request]) -> None:
+        """One more token of each of ``reqs`` is being sampled on the device."""
+        for r in reqs:
+            r.launched += 1
+
+    def read_back(self, reqs: list[Request], tokens: list[int]) -> None:
+        """The tokens sampled for ``reqs`` (one each), read back: record them, finish at a stop token or at
+        ``max_new_tokens``. A request that finished meanwhile (stopped or aborted) drops its late token."""
+        for req, tok in zip(reqs, tokens):
+            if req.state == "finished":
+                continue
+            req.tokens.append(tok)
+            if tok in req.stops:
+                self.finish(req, "stop")
+            elif len(req.tokens) == req.params.max_new_tokens:
+                self.finish(req, "length")
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Finish an admitted request: free its pages and what ``release`` gives back (the device work queued
+        before that reads them runs first: one stream)."""
+        if req.seq_id is not None:
+            self.kv.free_sequence(req.seq_id)
+            req.seq_id = None
+        self.release(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.state, req.reason = "finished", reason
+        self.finished.append(req)
+
+    def report(self, tokenizer=None) -> list[RequestOutput]:
+        """The outputs of running requests with new tokens, then of every request finished since the last report
+        (each once; its text decoded once, when ``tokenizer`` is given)."""
+        outs = [_output(r, None) for r in self.running if len(r.tokens) > r.emitted]
+        for req in self.finished:
+            outs.append(_output(req, tokenizer))
+            del self.requests[req.rid]
+        self.finished = []
+        return outs
+
+
+def _output(req: Request, tokenizer) -> RequestOutput:
+    new = req.tokens[req.emitted:]
+    req.emitted = len(req.tokens)
+    finished = req.state == "finished"
+    text = tokenizer.decode(req.tokens, skip_special_tokens=True) if finished and tokenizer is not None else None
+    return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt, new_token_ids=new,
+                         token_ids=list(req.tokens), finished=finished, finish_reason=req.reason, text=text)
