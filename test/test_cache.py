@@ -571,6 +571,53 @@ def test_a_stale_step_is_refused_and_writes_nothing():
         cache.step_append(0, None, bad, bad)
 
 
+def test_a_step_of_another_cache_is_refused_and_writes_nothing():
+    """A step belongs to the cache that prepared it: B.step_append with A's step would write B's sequence [7, 7, 7]
+    at A's page id and slot (B's first token became -1 before the check); B refuses it and keeps its tokens."""
+    a_cache, b_cache = make(layers=1), make(layers=1)
+    a = a_cache.add_sequence(0, 4)
+    a_step = a_cache.prepare_step([a])
+    b = b_cache.add_sequence(0, 4)
+    k = torch.full((3, H, D), 7.0, dtype=torch.bfloat16)
+    b_cache.append(0, b, k, k)
+    before = snapshot(b_cache)
+    bad = torch.full((1, H, D), -1.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="step_append: the DecodeStep was prepared by another cache"):
+        b_cache.step_append(0, a_step, bad, bad)
+    with pytest.raises(ValueError, match="step_decode: the DecodeStep was prepared by another cache"):
+        b_cache.step_decode(0, a_step, torch.ones(1, H, D, dtype=torch.bfloat16))
+    assert snapshot(b_cache) == before
+    check_all(b_cache, {(b, 0): (k, k)})
+    a_cache.step_append(0, a_step, bad, bad)  # its own cache takes it
+    check_all(a_cache, {(a, 0): (bad, bad)})
+
+
+def test_a_static_step_is_the_caches_and_never_stale():
+    """static_step wraps caller-owned buffers (a CUDA Graph's) as a step of this cache: it survives the changes that
+    make prepared steps stale, and another cache refuses it."""
+    cache, other = make(layers=1), make(layers=1)
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (1, 1, 2, 4, 1)]
+    step = cache.static_step(*bufs)
+    cache.add_sequence(0, 4)
+    cache.check_step(step)
+    with pytest.raises(ValueError, match="prepared by another cache"):
+        other.check_step(step)
+    with pytest.raises(ValueError, match="kv_indices must be a 1-D int32 tensor"):
+        cache.static_step(*bufs[:3], bufs[3].long(), bufs[4])
+
+
+def test_default_chunks_fit_a_small_budget():
+    """Default chunks are sized from the budget: 256 MiB over 32 layers of 8 x 128 heads (64 KiB raw pages) admits
+    five requests of 356 + 0 tokens, as many as its raw bytes hold less the meta and a chunk per layer of slack (with
+    4 MiB chunks: 2), and 64 MiB admits one (with 4 MiB chunks: none)."""
+    for budget, fits in ((256 << 20, 5), (64 << 20, 1)):
+        cache = CompressedPagedKVCache(32, 8, 128, max_bytes=budget, device="cpu")
+        raw = budget / (32 * 23 * (64 << 10))  # 23 raw pages of 64 KiB per layer and request
+        assert cache.capacity(356, 0).requests == fits >= int(raw) - 1, (budget, raw)
+        old = CompressedPagedKVCache(32, 8, 128, max_bytes=budget, device="cpu", chunk_bytes=4 << 20)
+        assert old.capacity(356, 0).requests < fits
+
+
 @pytest.mark.parametrize("change", ["add_sequence", "free_sequence", "compress_full_pages(wait=True)",
                                     "compress_full_pages(wait=False)", "compact"])
 def test_a_change_of_sequences_or_pages_ends_every_step_prepared_before(change):

@@ -143,6 +143,86 @@ def test_kv_source_matches_prefill(llama):
     assert len(final.token_ids) == 12
 
 
+@pytest.mark.parametrize("bad", ["wrong shape", "raises"])
+def test_a_bad_kv_source_aborts_only_its_request(llama, bad):
+    """A kv_source that returns a wrong tensor (ValueError) or raises (here OSError) fails the step that admits its
+    request with that error: the request ends with reason "abort" (reported once, at a later step), its pages and
+    budget come back, and the requests beside it finish with their own tokens."""
+    model, ref = llama
+    eng = Engine(model, max_kv_bytes=KV_BYTES)
+    prompts = prompts_of(random.Random(5), [9, 12])
+    free_pages = eng.kv.capacity().pages
+    good = eng.add_request(prompts[0], SamplingParams(max_new_tokens=5))
+
+    def source(layer):
+        if bad == "raises":
+            raise OSError("cannot read the K/V file")
+        return torch.zeros(3, 1, 64, dtype=torch.bfloat16), torch.zeros(3, 1, 64, dtype=torch.bfloat16)
+
+    broken = eng.add_request(prompts[1], SamplingParams(max_new_tokens=5), kv_source=source)
+    error, match = (OSError, "cannot read") if bad == "raises" else (ValueError, "kv_source\\(0\\) must return bf16 k")
+    with pytest.raises(error, match=match):
+        eng.step()
+    outs = run_all(eng, [])
+    assert [o.finish_reason for o in outs[broken]] == ["abort"] and outs[broken][0].token_ids == []
+    assert outs[good][-1].finish_reason == "length"
+    ref.check(prompts[0], outs[good][-1].token_ids)
+    assert not eng.has_unfinished() and eng.kv.seq_ids == []
+    assert eng.kv.capacity().pages == free_pages  # nothing leaked
+
+
+def test_generate_leaves_other_requests_outputs_for_step(llama):
+    """Every output reaches the caller exactly once: a request added before generate() and finishing inside it is
+    reported by the next step(), with all its tokens; generate() returns only its own prompts' outputs."""
+    model, ref = llama
+    eng = Engine(model, max_kv_bytes=KV_BYTES)
+    a = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
+    outs = eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=12))
+    assert [o.request_id for o in outs] == [a + 1]
+    later = []
+    while eng.has_unfinished():
+        later += eng.step()
+    mine = [o for o in later if o.request_id == a]
+    assert sum(o.finished for o in mine) == 1 and mine[-1].finish_reason == "length"
+    assert sum((o.new_token_ids for o in mine), []) == mine[-1].token_ids and len(mine[-1].token_ids) == 4
+    ref.check([1, 2, 3], mine[-1].token_ids)
+
+
+def test_generate_takes_any_iterable_and_refuses_a_bad_prompt_before_queueing(llama):
+    model, ref = llama
+    eng = Engine(model, max_kv_bytes=KV_BYTES)
+    prompts = prompts_of(random.Random(6), [5, 8])
+    outs = eng.generate((p for p in prompts), SamplingParams(max_new_tokens=3))
+    assert [len(o.token_ids) for o in outs] == [3, 3]
+    for p, o in zip(prompts, outs):
+        ref.check(p, o.token_ids)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([[1, 2], [1, 9999]])
+    assert not eng.has_unfinished()  # the good prompt beside the bad one was not queued either
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        eng.generate([1, 2, 3])
+
+
+def test_sampling_params_at_the_device_math_limits(llama):
+    """Values that float32 sampling cannot take as given mean their limit: top_k beyond any int64 keeps every token
+    (no overflow, the request runs), top_p that rounds to 0 in float32 and a subnormal temperature are greedy."""
+    model, ref = llama
+    eng = Engine(model, max_kv_bytes=KV_BYTES)
+    prompt = prompts_of(random.Random(4), [11])[0]
+    greedy = eng.generate([prompt], SamplingParams(max_new_tokens=6))[0].token_ids
+    huge_k = eng.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, top_k=2 ** 63, seed=1))[0]
+    all_k = eng.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, seed=1))[0]
+    assert huge_k.token_ids == all_k.token_ids and huge_k.finish_reason == "length"
+    assert not eng.has_unfinished() and eng.kv.seq_ids == []
+    for params in (SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-46, seed=2),
+                   SamplingParams(max_new_tokens=6, temperature=1e-39, seed=3),
+                   SamplingParams(max_new_tokens=6, temperature=1e-300, seed=3)):
+        assert eng.generate([prompt], params)[0].token_ids == greedy, params
+    assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-37).greedy
+    assert SamplingParams(temperature=1e300).temperature == torch.finfo(torch.float32).max
+    ref.check(prompt, greedy)
+
+
 def test_admission_within_budget_and_fcfs(llama):
     """A cache with room for about two requests' budgets: six requests are served a few at a time, admitted in arrival
     order (a big request at the head is not overtaken by later small ones that would fit), every running request's
