@@ -2,7 +2,8 @@
 
 CUDA sources are compiled whenever a CUDA build of torch and nvcc are present, GPU or not, so a GPU-less CI still
 proves they compile and register. ZIPKV_WITH_CUDA=1 turns a missing toolkit into an error, =0 builds CPU only.
-Install with `pip install --no-build-isolation -e .` so the build uses the torch you run with.
+Install with `pip install --no-build-isolation .` (or `-e .`) so the build uses the torch you run with: the extension
+links against that torch's C++ ABI, and a binary built against another release fails to load (docs/install.md).
 """
 
 import glob
@@ -38,8 +39,23 @@ if "CUDA_HOME" not in os.environ and os.environ.get("ZIPKV_WITH_CUDA") != "0":
         os.environ["CUDA_HOME"] = home
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:
+    # pip builds in an isolated environment unless told not to, and torch is not a build requirement (pyproject.toml):
+    # the extension must be compiled against the torch it will run with, not one pip would download for the build.
+    raise SystemExit(
+        "torch_zipkv compiles its ops against the installed torch, and this build cannot import torch: pip is "
+        "building in an isolated environment. Install torch first, then build with "
+        "`pip install --no-build-isolation .` (or `pip wheel --no-build-isolation .`); see docs/install.md."
+    ) from None
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+# The torch the extension is compiled against, for torch_zipkv/__init__.py to check before it loads the binary: a
+# binary of another torch release fails with an undefined symbol at best. A generated file (not in git).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_zipkv", "_build_info.py"), "w") as f:
+    f.write(f'"""Written by setup.py: the torch the compiled ops were built against."""\n\nTORCH_VERSION = '
+            f'{torch.__version__!r}\n')
 
 with_cuda_env = os.environ.get("ZIPKV_WITH_CUDA")
 cuda_available = torch.version.cuda is not None and CUDA_HOME is not None

@@ -85,6 +85,8 @@ inline void check_pages(const char* op, const char* name, const at::Tensor& kv, 
   TORCH_CHECK_VALUE(kv.size(1) == 2, "zipkv.", op, ": ", name,
                     " must be [n, 2, page_size, num_kv_heads, head_dim] with K and V stacked on dim 1, got ",
                     kv.sizes());
+  TORCH_CHECK_VALUE(kv.size(3) >= 1, "zipkv.", op, ": ", name, " must have num_kv_heads >= 1 (dim 3), got ",
+                    kv.sizes());
   check_geometry(op, kv.size(2), kv.size(4));
 }
 

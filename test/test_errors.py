@@ -265,6 +265,31 @@ def test_fake_kernel_refuses_bad_groups_without_dividing_by_zero(setup, num_kv_h
     assert str(fake.value) == str(real.value).splitlines()[0]
 
 
+@pytest.mark.parametrize("op", ["compress_pages", "decompress_pages"])
+def test_pages_with_no_kv_heads_are_refused(op):
+    """Pages of 0 KV heads hold nothing to store or rebuild: the CPU kernel and, while tracing, the fake kernel refuse
+    them with the same ValueError naming the pages' argument (compress_pages took them before)."""
+    data = torch.zeros(4096, dtype=torch.uint8)
+    meta = torch.zeros(2, 2, 0, fmt.meta_words(16, 64), dtype=torch.int32)
+    kv = torch.zeros(2, 2, 16, 0, 64, dtype=torch.bfloat16)
+    ids = torch.arange(2, dtype=torch.int32)
+    if op == "compress_pages":
+        name, args = "kv", (kv, ids, data, meta, torch.tensor([0, 4096]))
+    else:
+        name, args = "out", (data, meta, ids, 16, 64)
+
+    def call(*a):
+        if op == "compress_pages":
+            return ops.compress_pages(*a)
+        return ops.decompress_pages(*a[:3], 16, 64, out=kv.to(a[0].device))
+
+    with pytest.raises(ValueError, match=f"zipkv.{op}: {name} must have num_kv_heads >= 1") as real:
+        call(*args)
+    with pytest.raises(ValueError) as fake:
+        call(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
+    assert str(fake.value) == str(real.value).splitlines()[0]
+
+
 def test_wrappers_reject_wrong_python_types(setup):
     """torch.ops itself raises RuntimeError for an argument of the wrong Python type; the wrappers name it in a
     TypeError first."""

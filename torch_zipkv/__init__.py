@@ -15,9 +15,30 @@ The high-level API:
   on the compressed pages and the "zipkv" attention implementation that decodes from them.
 """
 
-import torch  # noqa: F401  (loads libtorch before our extension)
+import torch  # loads libtorch before our extension
 
-from . import _C  # noqa: F401  (registers the zipkv ops)
+
+def _load_ops() -> None:
+    """Load the compiled ops (registering ``torch.ops.zipkv``), built against this very torch release: the binary
+    links against torch's C++ ABI, which changes between releases (docs/install.md)."""
+    try:
+        from ._build_info import TORCH_VERSION as built_with
+    except ImportError:  # a source tree never built: the import below says so
+        built_with = None
+    running = torch.__version__.split("+")[0]
+    if built_with is not None and built_with.split("+")[0] != running:
+        raise ImportError(f"torch_zipkv's ops were compiled against torch {built_with} but torch {torch.__version__} "
+                          "is running: rebuild them against this torch with `pip install --no-build-isolation .` "
+                          "(docs/install.md)")
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"torch_zipkv's compiled ops (torch_zipkv._C) failed to load under torch "
+                          f"{torch.__version__}: {e}. Build them with `pip install --no-build-isolation .` "
+                          "(docs/install.md)") from e
+
+
+_load_ops()
 from . import ops
 from .ops import empty_storage
 from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep

@@ -266,6 +266,7 @@ def _check_pages(op: str, name: str, kv, device) -> None:
     _check_tensor(kv, op, name, torch.bfloat16, 5, device)
     _check_value(kv.shape[1] == 2, op, name, lambda: "must be [n, 2, page_size, num_kv_heads, head_dim] with K and V "
                  f"stacked on dim 1, got {list(kv.shape)}")
+    _check_value(kv.shape[3] >= 1, op, name, lambda: f"must have num_kv_heads >= 1 (dim 3), got {list(kv.shape)}")
     _check_geometry(op, kv.shape[2], kv.shape[4])
 
 

@@ -9,6 +9,7 @@
 
 #include "../checks.h"
 #include "block_io.cuh"
+#include "smem_limit.cuh"
 
 namespace zipkv::cuda {
 namespace {
@@ -229,19 +230,16 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor scratch = at::zeros({allow_compress ? 1 + num_ctas : 1}, data.options().dtype(at::kLong));
-  auto launch = [&](auto kernel, int max_blocks_per_warp, bool& smem_set) {
+  auto launch = [&](auto kernel, int max_blocks_per_warp, SmemFlags& smem_set) {
     const int smem = kWarps * max_blocks_per_warp * kStageWords * 4;
-    if (!smem_set) {  // once per kernel and process (the two kernels have distinct flags below)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      smem_set = true;
-    }
+    set_smem_limit(kernel, smem, smem_set);  // once per kernel and device (the two kernels have their own flags)
     kernel<<<static_cast<unsigned int>(num_ctas), kThreads, smem, stream>>>(
         reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), page_ids.data_ptr<int32_t>(), allow_compress,
         data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0), cursor.data_ptr<int64_t>(),
         reinterpret_cast<Scratch*>(scratch.data_ptr<int64_t>()), num_streams, P, H, D, meta.size(3), streams_per_cta,
         static_cast<unsigned int>(num_ctas));
   };
-  static bool smem_set4 = false, smem_set8 = false;
+  static SmemFlags smem_set4{}, smem_set8{};
   if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>, 4, smem_set4);
   else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>, 8, smem_set8);
   else TORCH_CHECK_VALUE(false, "zipkv.compress_pages: kv's page_size x head_dim is too large (", blocks_per_warp,

@@ -15,6 +15,7 @@
 
 #include "../checks.h"
 #include "paged_decode.cuh"
+#include "smem_limit.cuh"
 
 namespace zipkv::cuda {
 namespace {
@@ -32,11 +33,16 @@ constexpr double kTailCtaTimes = 1.5;
 // An SM streams at its full rate from 8 resident warps on (2 CTAs of 4; a lone CTA of 4 runs at about half).
 constexpr int kSaturatedWarps = 8;
 
-int num_sms(int device) {
-  static int cached[64] = {0};
-  int& n = cached[device % 64];
-  if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
+// SMs of the current device (the caller's CUDAGuard makes q's device current), asked once per device.
+int num_sms() {
+  static std::atomic<int> cached[kMaxDevices]{};
+  const int device = current_device_index();
+  if (cached[device].load(std::memory_order_acquire) == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cached[device].store(n, std::memory_order_release);
+  }
+  return cached[device].load(std::memory_order_acquire);
 }
 
 // The one dispatch on head_dim: f.template operator()<D>() with D = head_dim as a compile-time constant, for each D of
@@ -63,7 +69,7 @@ int occupancy(int head_dim, int group, int warps) {
 struct Shape {
   int64_t ctas;      // batch x kv_heads: one CTA each before splitting
   double tiles;      // mean 16-token tiles per request inside the window
-  int head_dim, group, device;
+  int head_dim, group;
 };
 
 struct Plan {
@@ -82,7 +88,7 @@ double sm_time(int64_t k, double work, int warps, int64_t residency) {
 // if all CTAs fit at once, the busiest SM's share at its rate, otherwise an even share plus the tail.
 int plan_splits(const Shape& x) {
   constexpr int warps = 4;
-  const int64_t sms = num_sms(x.device), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
+  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
   auto cost = [&](int s) {
     const int64_t n = x.ctas * s;
     const double work = x.tiles / s + kOverheadTilesPerWarp * warps;
@@ -104,7 +110,7 @@ int plan_splits(const Shape& x) {
 // CTAs' work, the partial last wave the busiest SM's share at its rate. It ignores how uneven finishing smooths many
 // waves, so it only compares layouts at split counts already chosen, where a partial wave is what differs.
 double wave_time(const Shape& x, int splits, int warps) {
-  const int64_t sms = num_sms(x.device), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
+  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
   const int64_t n = x.ctas * splits, full = n / (sms * residency), rest = n % (sms * residency);
   const double work = x.tiles / splits + kOverheadTilesPerWarp * warps;
   return static_cast<double>(full) * sm_time(residency, work, warps, residency) +
@@ -120,17 +126,17 @@ double wave_time(const Shape& x, int splits, int warps) {
 Plan plan_decode(const Shape& x) {
   const Plan four{plan_splits(x), 4};
   if (!decode::has_six_warps(x.head_dim, x.group)) return four;
-  const int64_t sms = num_sms(x.device);
+  const int64_t sms = num_sms();
   if (x.ctas <= sms * occupancy(x.head_dim, x.group, 4) || x.ctas > 2 * sms * occupancy(x.head_dim, x.group, 6))
     return four;
   return wave_time(x, 1, 6) * (1.0 + kSixGain) < wave_time(x, four.splits, 4) ? Plan{1, 6} : four;
 }
 
 Shape decode_shape(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int64_t page_size, int head_dim, int group,
-                   int64_t window_left, int device) {
+                   int64_t window_left) {
   double tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
   if (window_left >= 0) tiles = std::min(tiles, static_cast<double>(window_left / kTileTokens + 2));
-  return Shape{batch * kv_heads, tiles, head_dim, group, device};
+  return Shape{batch * kv_heads, tiles, head_dim, group};
 }
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
@@ -170,7 +176,7 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
     p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
     p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
   }
-  const Plan plan = plan_decode(decode_shape(batch, H, p.nnz, page_size, D, p.group, window_left, q.get_device()));
+  const Plan plan = plan_decode(decode_shape(batch, H, p.nnz, page_size, D, p.group, window_left));
   p.num_splits = plan.splits;
 
   at::Tensor workspace;
@@ -194,7 +200,7 @@ std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& met
   const c10::cuda::CUDAGuard guard(q.device());
   const int D = q.size(2);
   const Plan plan = plan_decode(
-      decode_shape(q.size(0), meta.size(2), nnz_pages, page_size, D, group, window_left, q.get_device()));
+      decode_shape(q.size(0), meta.size(2), nnz_pages, page_size, D, group, window_left));
   return {plan.splits, plan.warps, occupancy(D, static_cast<int>(group), plan.warps)};
 }
 

@@ -6,32 +6,31 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "paged_decode.cuh"
+#include "smem_limit.cuh"
 
 namespace zipkv::cuda::decode {
 
 template <int D, int kHeadTiles, int kCtas, int kWarps>
 void set_smem_limit() {
-  // Once per instantiation, outside any graph capture in practice (the first call of a program runs eagerly).
-  static const bool done = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Cfg<D, kCtas, kWarps>::kSmemBytes));
-    return true;
-  }();
-  (void)done;
+  // Per device (smem_limit.cuh), outside any graph capture in practice (the first call on a device runs eagerly).
+  static SmemFlags done{};
+  ::zipkv::cuda::set_smem_limit(paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>, Cfg<D, kCtas, kWarps>::kSmemBytes,
+                                done);
 }
 
 template <int D, int kHeadTiles, int kCtas, int kWarps>
 int occupancy() {
-  // Once per instantiation, like the shared-memory limit it depends on.
-  static const int n = [] {
+  // Once per instantiation and device, like the shared-memory limit it depends on (0: not asked yet).
+  static std::atomic<int> cached[kMaxDevices]{};
+  std::atomic<int>& n = cached[current_device_index()];
+  if (n.load(std::memory_order_acquire) == 0) {
     set_smem_limit<D, kHeadTiles, kCtas, kWarps>();
     int ctas = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &ctas, paged_decode_kernel<D, kHeadTiles, kCtas, kWarps>, 32 * kWarps, Cfg<D, kCtas, kWarps>::kSmemBytes));
-    return ctas;
-  }();
-  return n;
+    n.store(ctas, std::memory_order_release);
+  }
+  return n.load(std::memory_order_acquire);
 }
 
 template <int D, int kHeadTiles, int kCtas, int kWarps>
