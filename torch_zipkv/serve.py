@@ -447,6 +447,9 @@ def serve(engine: Engine, load, *, total: int | None = None, on_result=None, on_
                 bar.set_postfix_str(f"{generated / max(now, 1e-9):.0f} tok/s, batch {s['decoding']}, "
                                     f"queue {s['waiting']}, KV ratio {s['kv_ratio']:.3f}, "
                                     f"KV free {s['kv_bytes_free'] / 2**20:.0f} MiB", refresh=False)
+    except BaseException:
+        bar.leave = False  # a run stopped by an error: its message, not a half-drawn bar, is what stderr shows last
+        raise
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0
@@ -653,6 +656,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _SyntheticRefused(Exception):
+    """The engine refused a synthetic request: an argument error (the message), raised out of serve."""
+
+
 def build_engine(parser, args, model, tokenizer) -> Engine:
     try:
         return Engine(model, max_kv_bytes=args.max_kv_bytes, memory_fraction=args.memory_fraction,
@@ -711,8 +718,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def refused(req: dict, error: ValueError) -> None:
         if requests is None:  # every synthetic request has this size: nothing can be served
-            parser.error(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: the engine refuses the "
-                         f"requests ({_one_line(error)})")
+            raise _SyntheticRefused(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: the engine refuses "
+                                    f"the requests ({_one_line(error)})")
         if rank == 0:
             from tqdm import tqdm
 
@@ -723,6 +730,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         summary = serve(engine, load, total=num_requests, on_result=out.write, on_refused=refused,
                         progress=not args.no_progress and rank == 0)
+    except _SyntheticRefused as e:  # reported once serve has taken its progress bar down
+        parser.error(str(e))
     finally:
         out.close()
     if rank == 0:
