@@ -215,8 +215,8 @@ def test_a_prompts_file_is_checked_whole_before_the_load(tiny, tmp_path, capsys,
         ('{"prompt_ids": [1], "top_p": 0}', sampling_error(top_p=0)),
         ('{"prompt_ids": [1], "seed": "x"}', sampling_error(seed="x")),
         ('{"prompt_ids": [1, 512]}', f"prompt_ids holds ids outside the model's vocabulary [0, {VOCAB}): [512]"),
-        (json.dumps({"prompt_ids": [1] * 500, "max_new_tokens": 13}), "prompt_ids (500 tokens) + max_new_tokens (13) "
-                                                                      f"= 513 exceeds the model's context of {CONTEXT}"),
+        (json.dumps({"prompt_ids": [1] * 500, "max_new_tokens": 13}),
+         f"prompt_ids (500 tokens) + max_new_tokens (13) = 513 exceeds the model's context of {CONTEXT}"),
         ('{"prompt": "text", "max_new_tokens": 512}', "max_new_tokens (512) leaves no room for a prompt in the "
                                                       f"model's context of {CONTEXT} tokens"),
         ("", None),

@@ -8,8 +8,8 @@
 ``{"prompt_ids": [1, 2, ...]}``, optionally with ``max_new_tokens`` (default ``--gen-len``), ``temperature``,
 ``top_k``, ``top_p``, ``seed``; with a tokenizer, every request also stops at its EOS. Without it, a synthetic load:
 ``--num-prompts`` requests of ``--prompt-len`` random tokens, each generating exactly ``--gen-len`` tokens (no stop
-token), arriving as a Poisson process of ``--arrival-rate`` requests/s (``inf``: all at once), each made when it
-arrives (a load of any size takes no memory up front). A progress bar shows tokens/s, the running batch, the queue,
+token), arriving as a Poisson process of ``--arrival-rate`` requests/s (``inf``: all at once), made as they are
+served (a load of any size takes no memory up front). A progress bar shows tokens/s, the running batch, the queue,
 the KV ratio and the free KV memory; ``--out`` gets one JSON line per request as it finishes (time to first token,
 time per output token, tokens), flushed at once, so a run that fails part way keeps what it served; the summary goes
 to stdout.
@@ -536,6 +536,11 @@ def device_memory(device: torch.device) -> int | None:
         return None
 
 
+def _ranks_arg(args, world: int | None) -> str:
+    """Where the number of tensor-parallel ranks came from, for a message."""
+    return f"--tp {args.tp}" if args.tp is not None else f"torchrun's {world} processes"
+
+
 def check_args(parser, args, world: int | None) -> torch.device:
     """Every check of the arguments on their own (no file read, no model), before anything loads; returns --device.
     ``world``: the number of torchrun processes, None outside torchrun."""
@@ -560,7 +565,7 @@ def check_args(parser, args, world: int | None) -> torch.device:
         parser.error(f"--tp {args.tp} under torchrun with {world} processes: give the same number, or leave --tp out")
     ranks = world or args.tp or 1
     if device.type == "cuda" and ranks > torch.cuda.device_count():
-        parser.error(f"--tp {ranks}: one GPU per rank, and there are {torch.cuda.device_count()} here")
+        parser.error(f"{_ranks_arg(args, world)}: one GPU per rank, and there are {torch.cuda.device_count()} here")
     if ranks > 1 and args.model is None:
         parser.error("--model is required under tensor parallelism (a transformers directory or a .gguf file)")
     return device
@@ -584,7 +589,7 @@ def check_out(parser, out: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def check_load(parser, args, limits: ModelLimits | None, num_requests: int, ranks: int) -> None:
+def check_load(parser, args, limits: ModelLimits | None, num_requests: int, world: int | None) -> None:
     """The checks that need the load's size or the model's limits (None: not known yet, checked after the load)."""
     rate = args.arrival_rate
     # Arrival times are sums of exponential gaps of mean 1 / rate: refused where they would span longer than any
@@ -601,9 +606,10 @@ def check_load(parser, args, limits: ModelLimits | None, num_requests: int, rank
     if not args.prompts and limits.max_len is not None and args.prompt_len + args.gen_len > limits.max_len:
         parser.error(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = {args.prompt_len + args.gen_len} "
                      f"exceeds the model's context of {limits.max_len} tokens (max_position_embeddings)")
+    ranks = world or args.tp or 1
     if ranks > limits.num_kv_heads:
-        parser.error(f"--tp {ranks}: each rank holds a share of the model's {limits.num_kv_heads} KV heads, so at "
-                     f"most {limits.num_kv_heads} ranks")
+        parser.error(f"{_ranks_arg(args, world)}: each rank holds a share of the model's {limits.num_kv_heads} KV "
+                     f"heads, so at most {limits.num_kv_heads} ranks")
 
 
 def read_config(parser, model_arg, directory: pathlib.Path, gguf: str | None):
@@ -696,7 +702,7 @@ def main(argv: list[str] | None = None) -> dict:
     limits = None if config is None else ModelLimits.of(config)
     requests = None if args.prompts is None else read_prompts(parser, args.prompts, args.gen_len, limits)
     num_requests = args.num_prompts if requests is None else len(requests)
-    check_load(parser, args, limits, num_requests, ranks)
+    check_load(parser, args, limits, num_requests, world)
     if world is None and ranks > 1:  # checked here once, before N processes start
         return _launch(ranks, sys.argv[1:] if argv is None else argv)
 
@@ -705,7 +711,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError) as e:
         parser.error(f"--model {model_name}: cannot load it ({_one_line(e)})")
     limits = ModelLimits.of(model.config)  # the model's own, also where the config came only with the weights
-    check_load(parser, args, limits, num_requests, ranks)
+    check_load(parser, args, limits, num_requests, world)
     if requests is not None:
         prepare_requests(args.prompts, requests, tok, limits, model_name)
     engine = build_engine(parser, args, model, tok)
