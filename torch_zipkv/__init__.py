@@ -19,14 +19,17 @@ import torch  # loads libtorch before our extension
 
 
 def _load_ops() -> None:
-    """Load the compiled ops (registering ``torch.ops.zipkv``), built against this very torch release: the binary
-    links against torch's C++ ABI, which changes between releases (docs/install.md)."""
+    """Load the compiled ops (registering ``torch.ops.zipkv``), built against this torch release (major.minor): the
+    binary links against torch's C++ ABI, which torch does not keep from one minor release to the next
+    (docs/install.md)."""
     try:
         from ._build_info import TORCH_VERSION as built_with
     except ImportError:  # a source tree never built: the import below says so
         built_with = None
-    running = torch.__version__.split("+")[0]
-    if built_with is not None and built_with.split("+")[0] != running:
+    def release(version: str) -> tuple[str, ...]:  # major.minor: torch keeps its C++ ABI within patch releases only
+        return tuple(version.split("+")[0].split(".")[:2])
+
+    if built_with is not None and release(built_with) != release(torch.__version__):
         raise ImportError(f"torch_zipkv's ops were compiled against torch {built_with} but torch {torch.__version__} "
                           "is running: rebuild them against this torch with `pip install --no-build-isolation .` "
                           "(docs/install.md)")
