@@ -3,9 +3,10 @@ FlashInfer 0.6.12 (CUDA-core and tensor-core decode) and torch SDPA on contiguou
 
     python benchmarks/bench_decode.py --out DIR [--iters 100] [--quick]
 
-Method (results and how to reproduce them: docs/performance.md): Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), page 16, separate
-KV per request, pages in random order, L2 flushed before every timed call (by reading a 256 MB buffer), median of
---iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus SmolLM2's own shape (9/3 heads, d 64).
+Method (results and how to reproduce them: docs/performance.md): Llama-3.1-8B attention shape (32 query heads, 8 KV
+heads, head_dim 128), page 16, separate KV per request, pages in random order, L2 flushed before every timed call (by
+reading a 256 MB buffer), median of --iters CUDA-event timings; context 2048 and 8192 x batch 32/64/96, plus
+SmolLM2's own shape (9/3 heads, d 64).
 Every variant of a case is timed round-robin (one call of each per round, in a fresh random order each round), so a
 slow or fast spell of the GPU lands on all of them alike: FlashInfer moved 2-6% between separate calls, as much as
 the gaps we measure (docs/decode-kernel.md, v14, v15). Speedups are ratios of medians; "paired" speedups are medians of
@@ -231,7 +232,8 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
         us = statistics.median(ts)
         results[name] = {"us": us, "TBps": info[name]["bytes_read"] / us / 1e6, "raw_TBps": raw_bytes / us / 1e6,
                          **info[name]}
-    del fns, k, v, kv_real, ckv_real
+    fns.clear()  # free the cases' device tensors before the next shape (the closures hold them)
+    k = v = kv_real = ckv_real = None  # noqa: F841
     if "decompress_then_flashinfer" in outs:  # the staged pages are the real ones, bit for bit
         row["decompress_then_flashinfer_equals_flashinfer"] = torch.equal(outs["decompress_then_flashinfer"],
                                                                           outs["flashinfer_tc_real_like"])
@@ -240,7 +242,8 @@ def run_case(shape: dict, ctx: int, batch: int, iters: int, streams, flush, gen,
     row["raw_equals_compressed_bits"] = torch.equal(outs["zipkv_random"], outs["zipkv_raw"])
     row["max_abs_diff_vs_sdpa"] = (outs["zipkv_random"].float() - outs["sdpa"].float()).abs().max().item()
     if "flashinfer_tc" in outs:
-        row["max_abs_diff_vs_flashinfer"] = (outs["zipkv_random"].float() - outs["flashinfer_tc"].float()).abs().max().item()
+        diff = outs["zipkv_random"].float() - outs["flashinfer_tc"].float()
+        row["max_abs_diff_vs_flashinfer"] = diff.abs().max().item()
     fi = [results[n]["us"] for n in ("flashinfer_cc", "flashinfer_tc") if n in results]
     if fi:
         best = min(fi)

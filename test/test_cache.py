@@ -428,7 +428,8 @@ def run_scheduler(cache, gen, compress: bool, steps: int = 60) -> int:
     running, peak, kept = {}, 0, {}
     for step in range(steps):
         while True:
-            prompt, new = int(torch.randint(20, 90, (1,), generator=gen)), int(torch.randint(5, 40, (1,), generator=gen))
+            prompt = int(torch.randint(20, 90, (1,), generator=gen))
+            new = int(torch.randint(5, 40, (1,), generator=gen))
             if cache.capacity(prompt, new).requests < 1:
                 break
             sid = cache.add_sequence(prompt, new)

@@ -345,7 +345,8 @@ def test_opcheck_paged_decode_cuda(gen):
     ckv = torch_zipkv.compress(kv)
     indptr, indices, last = page_table([30, 50], 16, 6, gen, device="cuda")
     q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16).cuda()
-    args = (q, ckv.data, ckv.meta, indptr, indices, last, 16, 0.125, torch.empty_like(q), torch.empty(2, 4, device="cuda"))
+    args = (q, ckv.data, ckv.meta, indptr, indices, last, 16, 0.125, torch.empty_like(q),
+            torch.empty(2, 4, device="cuda"))
     torch.library.opcheck(torch.ops.zipkv.paged_decode.default, args)
 
 

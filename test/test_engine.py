@@ -349,7 +349,7 @@ def test_engine_arguments_are_checked(llama):
     for name in ("max_batch", "prefill_chunk", "compress_every", "max_kv_bytes", "kv_chunk_bytes"):
         with pytest.raises(TypeError, match=f"{name} must be"):  # a bool is not an int
             Engine(model, **{"max_kv_bytes": KV_BYTES, name: True})
-    with pytest.raises(ValueError, match="max_kv_bytes must be None or an int >= 1, got -1"):  # its own name, not the cache's
+    with pytest.raises(ValueError, match="max_kv_bytes must be None or an int >= 1, got -1"):  # not the cache's name
         Engine(model, max_kv_bytes=-1)
     with pytest.raises(TypeError, match="compress must be a bool"):
         Engine(model, max_kv_bytes=KV_BYTES, compress=1)

@@ -7,7 +7,6 @@ import copy
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ from torch_zipkv import ops, reference
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 
-from conftest import ZERO_BLOCKS, bits, compressible_kv, random_kv, store, zero_block_pages
+from conftest import ZERO_BLOCKS, bits, compressible_kv, random_kv, store, zero_block_pages  # noqa: E402
 
 
 def assert_round_trip(kv: torch.Tensor, allow_compress: bool = True) -> torch_zipkv.CompressedKV:

@@ -34,7 +34,8 @@ class Decoder:
 
 def global_step(model):
     def step(token, position):
-        return model(input_ids=token, position_ids=position, use_cache=True, **{cache_kwarg(model): CACHE}).logits[:, -1]
+        out = model(input_ids=token, position_ids=position, use_cache=True, **{cache_kwarg(model): CACHE})
+        return out.logits[:, -1]
     return step
 
 

@@ -44,8 +44,8 @@ def test_importing_the_library_sets_no_environment_variable():
     """Importing torch_zipkv and every subpackage leaves os.environ as torch (whose _dynamo sets
     TORCHINDUCTOR_CACHE_DIR) and transformers left it; a test-data module that lived in the package set HF_HUB_OFFLINE
     at import."""
-    code = ("import os, torch, torch._dynamo, transformers; before = dict(os.environ); import torch_zipkv, torch_zipkv.engine, "
-            "torch_zipkv.integrations.transformers, torch_zipkv.serve; "
+    code = ("import os, torch, torch._dynamo, transformers; before = dict(os.environ); "
+            "import torch_zipkv, torch_zipkv.engine, torch_zipkv.integrations.transformers, torch_zipkv.serve; "
             "print(sorted(set(os.environ.items()) ^ set(before.items())))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

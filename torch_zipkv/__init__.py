@@ -42,11 +42,11 @@ def _load_ops() -> None:
 
 
 _load_ops()
-from . import ops
-from .ops import empty_storage
-from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep
-from .compressed_kv import CompressedKV, compress, decode_plan, decompress, paged_decode
-from .format import FORMAT_VERSION
+from . import ops  # noqa: E402
+from .ops import empty_storage  # noqa: E402
+from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep  # noqa: E402
+from .compressed_kv import CompressedKV, compress, decode_plan, decompress, paged_decode  # noqa: E402
+from .format import FORMAT_VERSION  # noqa: E402
 
 __all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "decode_plan", "empty_storage", "ops",
            "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache",

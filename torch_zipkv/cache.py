@@ -122,7 +122,8 @@ class CompressedPagedKVCache:
     wrong type or dtype) or ValueError (a wrong shape, size or device; an unknown layer or sequence; a value out of
     range), naming the argument; a call the cache's state does not allow raises RuntimeError, and
     :class:`CacheFullError` (a RuntimeError) says what does not fit. :meth:`step_append` and :meth:`step_decode`
-    check the layer and the step (:meth:`check_step`: this cache's, not stale), and leave the tensors' checks to the ops.
+    check the layer and the step (:meth:`check_step`: this cache's, not stale), and leave the tensors' checks to the
+    ops.
 
     Args:
         page_size: tokens per page (a multiple of 16).
@@ -214,7 +215,7 @@ class CompressedPagedKVCache:
         self._free_rows = list(range(15, -1, -1))
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self._reserved_ids = 0  # page ids promised to running sequences
-        self._generation = StepGeneration(self)  # of the decode steps prepared since the sequences or pages last changed
+        self._generation = StepGeneration(self)  # the decode steps prepared since the sequences or pages last changed
 
     @staticmethod
     def _windows(sliding_window, num_layers: int) -> list[int | None]:
@@ -596,8 +597,8 @@ class CompressedPagedKVCache:
 
     def stats(self) -> dict:
         """Bytes and chunks: ``raw_bytes`` (live pages as plain BF16), ``stored_bytes`` (as stored), ``ratio``,
-        ``meta_bytes``, ``tokens`` (stored), ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation`` (share
-        of the bytes in layer-owned chunks that hold no live page: free slots, packed tails, holes, room left by
+        ``meta_bytes``, ``tokens`` (stored), ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation``
+        (share of the bytes in layer-owned chunks that hold no live page: free slots, packed tails, holes, room left by
         pages compressed in place) and ``layers``, one dict per layer (``waiting_full_pages``: full pages not yet
         compressed; ``compressing_pages``: compressed by ``compress_full_pages(wait=False)``, not yet placed)."""
         a = self._arena
@@ -619,7 +620,8 @@ class CompressedPagedKVCache:
         stored = sum(x["stored_bytes"] for x in layers)
         owned = (a.num_chunks - len(a.pool)) * self.chunk_bytes
         return {
-            "tokens": int(tokens.sum()), "raw_bytes": raw, "stored_bytes": stored, "ratio": stored / raw if raw else 1.0,
+            "tokens": int(tokens.sum()), "raw_bytes": raw, "stored_bytes": stored,
+            "ratio": stored / raw if raw else 1.0,
             "meta_bytes": self._store.meta.numel() * 4, "num_chunks": a.num_chunks, "free_chunks": len(a.pool),
             "chunk_bytes": self.chunk_bytes, "fragmentation": 1 - stored / owned if owned else 0.0,
             "sequences": len(self._seqs), "free_page_ids": len(self._free_ids), "layers": layers}

@@ -51,8 +51,8 @@ class RankSync:
         events = got[0][1]
         diverged = [r for r, (state, _) in enumerate(got) if state != got[0][0]]
         if diverged:
-            raise RuntimeError(f"tensor-parallel ranks {diverged} disagree with rank 0 on the engine's state after step "
-                               f"{step} (requests admitted, tokens sampled); the ranks must run the same model "
+            raise RuntimeError(f"tensor-parallel ranks {diverged} disagree with rank 0 on the engine's state after "
+                               f"step {step} (requests admitted, tokens sampled); the ranks must run the same model "
                                "and engine arguments, with every rank calling step()")
         want = digest(events)
         differ = [r for r, (_, calls) in enumerate(got[1:], 1) if calls is not None and calls != want]
