@@ -25,9 +25,7 @@ inline std::string head_dims_text() {
 }
 
 // A dtype as Python prints it ("torch.bfloat16"): the kernels' messages are the fake kernels' word for word.
-inline std::string dtype_name(at::ScalarType dtype) {
-  return "torch." + std::string(c10::getDtypeNames(dtype).first);
-}
+inline std::string dtype_name(at::ScalarType dtype) { return "torch." + std::string(c10::getDtypeNames(dtype).first); }
 
 inline void check_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int64_t dim,
                          const at::Device& device) {
@@ -62,8 +60,8 @@ inline void check_storage(const char* op, const at::Tensor& data, const at::Tens
   check_aligned(data, op, "data");
   const int words = meta_words(static_cast<int>(page_size), static_cast<int>(head_dim));
   TORCH_CHECK_VALUE(meta.size(1) == 2 && meta.size(2) == num_kv_heads && meta.size(3) == words, "zipkv.", op,
-                    ": meta must have shape [num_pages, 2, ", num_kv_heads, ", ", words, "] for page_size ",
-                    page_size, " and head_dim ", head_dim, ", got ", meta.sizes());
+                    ": meta must have shape [num_pages, 2, ", num_kv_heads, ", ", words, "] for page_size ", page_size,
+                    " and head_dim ", head_dim, ", got ", meta.sizes());
   TORCH_CHECK_VALUE(meta.size(0) < (int64_t{1} << 31), "zipkv.", op, ": meta has too many pages for int32 page ids");
 }
 
@@ -180,8 +178,8 @@ inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const
   check_aligned(out, op, "out");
   if (lse.has_value()) {
     check_tensor(*lse, op, "lse", at::kFloat, 2, device);
-    TORCH_CHECK_VALUE(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [",
-                      batch, ", ", num_qo_heads, "], got ", lse->sizes());
+    TORCH_CHECK_VALUE(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [", batch,
+                      ", ", num_qo_heads, "], got ", lse->sizes());
   }
 }
 

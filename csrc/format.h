@@ -73,12 +73,12 @@ namespace zipkv {
 constexpr int kFormatVersion = 5;
 constexpr int kTileTokens = 16;
 constexpr int kBlockDims = 32;
-constexpr int kBlockValues = kTileTokens * kBlockDims;  // 512
+constexpr int kBlockValues = kTileTokens * kBlockDims;   // 512
 constexpr int kLowBytes = kBlockValues;                  // low bytes come first in a compressed block
 constexpr int kCodeBytes = kBlockValues / 2;             // 12 bits per value in all
 constexpr int kCompBlockBytes = kLowBytes + kCodeBytes;  // 768
 constexpr int kRawBlockBytes = 2 * kBlockValues;         // 1024
-constexpr int kRawHalfBytes = kRawBlockBytes / 2;         // a raw block's second piece of each lane starts here
+constexpr int kRawHalfBytes = kRawBlockBytes / 2;        // a raw block's second piece of each lane starts here
 constexpr int kStreamAlign = 256;                        // stream offsets are stored in these units
 constexpr uint8_t kDescRaw = 0x80;
 constexpr uint8_t kDescZero = 0x80;                          // 0x80 | b/2: zero-aware compressed (b/2 >= 1)

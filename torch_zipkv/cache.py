@@ -27,8 +27,9 @@ How it is put together:
   reads them). Their bytes return as headroom; promises stay charged at the full budget.
 - Host work is batched, not per layer: :meth:`~CompressedPagedKVCache.prepare_step` prepares a decode step for every
   layer (token -> (page, slot), the page table, the pages it opens in every layer) and sends it all to the device in
-  one copy; ``compress_full_pages`` compresses the full pages of every layer with one op pair on a view of all layers'
-  meta rows (row ``layer * max_pages + page``).
+  one copy; ``compress_full_pages`` compresses the full pages of every layer in rounds of up to 256 MiB, one
+  decompress and one compress op call per round, on a view of all layers' meta rows (row ``layer * max_pages +
+  page``).
 """
 
 from __future__ import annotations

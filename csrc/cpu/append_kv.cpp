@@ -57,8 +57,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& p
       for (int span = 0; span < spans; ++span) {
         const int b = (slot[i] / kTileTokens) * spans + span;
         // Earlier blocks of the page may be compressed (a larger page filled tile by tile): use the real offset.
-        auto* block = reinterpret_cast<uint16_t*>(
-            base + stream + block_offset(row_descriptors(row), b));
+        auto* block = reinterpret_cast<uint16_t*>(base + stream + block_offset(row_descriptors(row), b));
         for (int dim = 0; dim < kBlockDims; ++dim)
           block[raw_index(position(is_v, tok, dim))] = src[is_v][(i * H + h) * D + span * kBlockDims + dim];
       }

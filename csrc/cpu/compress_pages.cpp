@@ -53,8 +53,8 @@ void compress_pages_cpu(const at::Tensor& kv, const at::Tensor& page_ids, bool a
   for (int64_t s = 0; s < streams; ++s) start[s + 1] = start[s] + block_offset(&desc[s * nb], nb);
   // A full arena is a state, not a bad argument: RuntimeError (the cache's CacheFullError is one too).
   TORCH_CHECK(start[streams] <= cur[1], "zipkv.compress_pages: data is full: storing ", n, " pages needs ",
-              start[streams] - cur[0], " bytes from cursor ", cur[0], " but only ", cur[1] - cur[0],
-              " remain (end ", cur[1], ")");
+              start[streams] - cur[0], " bytes from cursor ", cur[0], " but only ", cur[1] - cur[0], " remain (end ",
+              cur[1], ")");
 
   // Pass 2: encode and write the meta rows.
   uint8_t* dst = data.data_ptr<uint8_t>();

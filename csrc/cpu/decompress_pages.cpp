@@ -8,8 +8,7 @@
 namespace zipkv::cpu {
 namespace {
 
-void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const at::Tensor& page_ids,
-                          at::Tensor& out) {
+void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const at::Tensor& page_ids, at::Tensor& out) {
   check_decompress_args(data, meta, page_ids, out);
   const int64_t n = out.size(0), num_pages = meta.size(0);
   const int P = out.size(2), H = out.size(3), D = out.size(4), nb = blocks_per_stream(P, D);
@@ -25,9 +24,8 @@ void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const 
       const int is_v = (s / H) % 2, head = s % H;
       int64_t off;
       int nbytes;
-      const uint8_t* desc =
-          read_stream_or_throw("decompress_pages", "out.shape[2] and out.shape[4]", data, meta, ids[i], is_v, head,
-                               P, D, &off, &nbytes);
+      const uint8_t* desc = read_stream_or_throw("decompress_pages", "out.shape[2] and out.shape[4]", data, meta,
+                                                 ids[i], is_v, head, P, D, &off, &nbytes);
       for (int b = 0; b < nb; ++b) {
         decode_block(src + off, desc[b], v);
         scatter_block(v, P, H, D, is_v, head, b, dst + i * page_values);

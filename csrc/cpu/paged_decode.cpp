@@ -39,12 +39,12 @@ void decode_stream(const at::Tensor& data, const at::Tensor& meta, int64_t page,
   }
 }
 
-void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
-                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
-                      int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
-                      int64_t window_left, double logits_soft_cap) {
-  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
-                    window_left, logits_soft_cap);
+void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta, const at::Tensor& kv_indptr,
+                      const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, int64_t page_size,
+                      double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
+                      double logits_soft_cap) {
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse, window_left,
+                    logits_soft_cap);
   const int64_t batch = q.size(0), num_pages = meta.size(0), nnz = kv_indices.size(0);
   const int Hq = q.size(1), H = meta.size(2), D = q.size(2), P = page_size, group = Hq / H;
   const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
@@ -120,8 +120,8 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
         const double inv = l[g] == 0.0 ? 0.0 : 1.0 / l[g];
         for (int d = 0; d < D; ++d)
           op[row * D + d] = static_cast<at::BFloat16>(static_cast<float>(acc[g * D + d] * inv));
-        if (lp) lp[row] = l[g] == 0.0 ? -std::numeric_limits<float>::infinity()
-                                      : static_cast<float>(m[g] + std::log(l[g]));
+        if (lp)
+          lp[row] = l[g] == 0.0 ? -std::numeric_limits<float>::infinity() : static_cast<float>(m[g] + std::log(l[g]));
       }
     }
   });

@@ -18,15 +18,15 @@ inline int64_t natural_index(int page_size, int num_kv_heads, int head_dim, int 
   return ((static_cast<int64_t>(is_v) * page_size + token) * num_kv_heads + head) * head_dim + d;
 }
 
-inline void gather_block(const uint16_t* page, int page_size, int num_kv_heads, int head_dim, int is_v, int head,
-                         int b, uint16_t* v) {
+inline void gather_block(const uint16_t* page, int page_size, int num_kv_heads, int head_dim, int is_v, int head, int b,
+                         uint16_t* v) {
   for (int tok = 0; tok < kTileTokens; ++tok)
     for (int dim = 0; dim < kBlockDims; ++dim)
       v[position(is_v, tok, dim)] = page[natural_index(page_size, num_kv_heads, head_dim, is_v, head, b, tok, dim)];
 }
 
-inline void scatter_block(const uint16_t* v, int page_size, int num_kv_heads, int head_dim, int is_v, int head,
-                          int b, uint16_t* page) {
+inline void scatter_block(const uint16_t* v, int page_size, int num_kv_heads, int head_dim, int is_v, int head, int b,
+                          uint16_t* page) {
   for (int tok = 0; tok < kTileTokens; ++tok)
     for (int dim = 0; dim < kBlockDims; ++dim)
       page[natural_index(page_size, num_kv_heads, head_dim, is_v, head, b, tok, dim)] = v[position(is_v, tok, dim)];
@@ -54,7 +54,7 @@ inline const uint8_t* read_stream_or_throw(const char* op, const char* geometry_
   TORCH_CHECK_VALUE(status != kStreamOtherVersion, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ",
                     head, "] is not a row of format version ", kFormatVersion, " (its tag word is 0x", std::hex, tag,
                     std::dec, ": a row of another version, or corrupted)");
-  const char* what = status == kStreamMissing        ? "holds no stream (page never stored)"
+  const char* what = status == kStreamMissing         ? "holds no stream (page never stored)"
                      : status == kStreamBadDescriptor ? "has an invalid block descriptor (corrupted)"
                                                       : "points past the end of data (corrupted, or the wrong data)";
   TORCH_CHECK_VALUE(false, "zipkv.", op, ": meta[", page, ", ", is_v ? "V" : "K", ", head ", head, "] ", what);

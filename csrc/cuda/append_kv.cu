@@ -1,9 +1,10 @@
 // CUDA kernel of zipkv::append_kv: one thread per (token, K|V, head, dim) writes two bytes into its raw block.
-// A token whose page id, slot or meta row is invalid (or tagged with another geometry or format version), or whose block is compressed, is not written (the CPU kernel
-// raises for the same input); the kernel never touches memory outside data. Two tokens with one (page, slot) race:
-// each 2-byte value of the slot ends up holding one of them, unspecified which (so the slot may mix both tokens). The
-// CPU kernel refuses them; here a check (or a rule such as "the last wins") would cost every thread a scan of all the
-// call's tokens, or a host sync, so avoiding them is the caller's job (the cache never makes them).
+// A token whose page id, slot or meta row is invalid (or tagged with another geometry or format version), or whose
+// block is compressed, is not written (the CPU kernel raises for the same input); the kernel never touches memory
+// outside data. Two tokens with one (page, slot) race: each 2-byte value of the slot ends up holding one of them,
+// unspecified which (so the slot may mix both tokens). The CPU kernel refuses them; here a check (or a rule such as
+// "the last wins") would cost every thread a scan of all the call's tokens, or a host sync, so avoiding them is the
+// caller's job (the cache never makes them).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -48,8 +49,8 @@ void append_kv_cuda(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
                      c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
       reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), page_ids.data_ptr<int32_t>(),
-      slots.data_ptr<int32_t>(), data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0),
-      total, static_cast<int>(page_size), k.size(1), k.size(2), meta.size(3));
+      slots.data_ptr<int32_t>(), data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), meta.size(0), total,
+      static_cast<int>(page_size), k.size(1), k.size(2), meta.size(3));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "../format.h"
@@ -30,8 +31,8 @@ __device__ __forceinline__ void cp_async_block_to_stage(const uint16_t* base, in
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int c = lane + kWarp * j, row = c / 4, part = c % 4;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(
-                     __cvta_generic_to_shared(stage + row * kRowWords + part * 4))),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                     static_cast<uint32_t>(__cvta_generic_to_shared(stage + row * kRowWords + part * 4))),
                  "l"(base + row * row_stride + part * 8)
                  : "memory");
   }
@@ -84,8 +85,8 @@ __device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int 
   for (int c = 0; c < 2; ++c) {
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane)));
     if (is_v) {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a),
-                   "r"(w[4 * c]), "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
+                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
                    : "memory");
     } else {
       asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
@@ -120,8 +121,8 @@ __device__ __forceinline__ uint32_t high_bytes_to_code(uint32_t h, uint8_t desc)
   const int half_base = desc_half_base(desc);
   if (desc_zero_aware(desc)) {
     const uint32_t big = ((h & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u;  // bytes whose e >> 1 is not 0
-    const uint32_t small = (big ^ 0x80808080u) >> 7;                         // 1 in the bytes with e <= 1
-    h |= small * static_cast<uint32_t>(half_base + 7);                       // their 7 bits were 0
+    const uint32_t small = (big ^ 0x80808080u) >> 7;                       // 1 in the bytes with e <= 1
+    h |= small * static_cast<uint32_t>(half_base + 7);                     // their 7 bits were 0
   }
   return h - static_cast<uint32_t>(half_base) * 0x01010101u;
 }

@@ -20,10 +20,10 @@ constexpr int kBlocksPerCta = 32;  // whole streams, up to this many blocks (one
 // Look-back status words: flag in the top 2 bits, a byte count in the low 62.
 constexpr uint64_t kFlagAggregate = uint64_t{1} << 62, kFlagPrefix = uint64_t{2} << 62, kValueMask = kFlagAggregate - 1;
 
-struct Scratch {          // zeroed before each launch
-  unsigned int ticket;    // next CTA ticket
+struct Scratch {        // zeroed before each launch
+  unsigned int ticket;  // next CTA ticket
   unsigned int pad;
-  uint64_t status[1];     // [num_ctas]
+  uint64_t status[1];  // [num_ctas]
 };
 
 // Exclusive prefix of CTA `ticket` (bytes from the start of data), publishing its own inclusive prefix. Called by
@@ -67,11 +67,12 @@ __device__ int64_t look_back(Scratch* scratch, unsigned int ticket, int64_t aggr
 // Compressing, a CTA learns where its bytes go from the CTAs before it (look-back, in ticket order); storing raw,
 // every size is known, so it goes straight to its place and the last CTA to finish advances the cursor.
 template <int kMaxBlocksPerWarp>
-__global__ void __launch_bounds__(kThreads) compress_pages_kernel(
-    const uint16_t* __restrict__ kv,  // [n, 2, P, H, D]
-    const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
-    int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages, int64_t* __restrict__ cursor, Scratch* scratch,
-    int64_t num_streams, int P, int H, int D, int words, int streams_per_cta, unsigned int num_ctas) {
+__global__ void __launch_bounds__(kThreads)
+    compress_pages_kernel(const uint16_t* __restrict__ kv,  // [n, 2, P, H, D]
+                          const int32_t* __restrict__ page_ids, bool allow_compress, uint8_t* __restrict__ data,
+                          int64_t data_bytes, int32_t* __restrict__ meta, int64_t num_pages,
+                          int64_t* __restrict__ cursor, Scratch* scratch, int64_t num_streams, int P, int H, int D,
+                          int words, int streams_per_cta, unsigned int num_ctas) {
   static_assert(kMaxBlocksPerWarp <= kWarp, "one lane describes each of a warp's blocks");
   constexpr int kMaxBlocks = kWarps * kMaxBlocksPerWarp;
   extern __shared__ __align__(16) uint32_t stage[];  // [kWarps][kMaxBlocksPerWarp][kStageWords]
@@ -89,7 +90,8 @@ __global__ void __launch_bounds__(kThreads) compress_pages_kernel(
   const unsigned int ticket = allow_compress ? ticket_s : blockIdx.x;
   const int nb = blocks_per_stream(P, D);
   const int64_t first_stream = static_cast<int64_t>(ticket) * streams_per_cta;
-  const int cta_streams = static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
+  const int cta_streams =
+      static_cast<int>(num_streams - first_stream < streams_per_cta ? num_streams - first_stream : streams_per_cta);
   const int cta_blocks = cta_streams * nb;
   const int warp_blocks = cta_blocks > warp ? (cta_blocks - warp + kWarps - 1) / kWarps : 0;
   auto stage_of = [&](int k) { return stage + (warp * kMaxBlocksPerWarp + k) * kStageWords; };
@@ -242,8 +244,9 @@ void compress_pages_cuda(const at::Tensor& kv, const at::Tensor& page_ids, bool 
   static SmemFlags smem_set4{}, smem_set8{};
   if (blocks_per_warp <= 4) launch(compress_pages_kernel<4>, 4, smem_set4);
   else if (blocks_per_warp <= 8) launch(compress_pages_kernel<8>, 8, smem_set8);
-  else TORCH_CHECK_VALUE(false, "zipkv.compress_pages: kv's page_size x head_dim is too large (", blocks_per_warp,
-                         " blocks per warp)");
+  else
+    TORCH_CHECK_VALUE(false, "zipkv.compress_pages: kv's page_size x head_dim is too large (", blocks_per_warp,
+                      " blocks per warp)");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -16,10 +16,10 @@ constexpr int kWarps = 8;
 
 constexpr int kBlocksPerWarp = 4;  // all blocks' loads are issued before any is decoded
 
-__global__ void __launch_bounds__(kWarps * kWarp, 4) decompress_pages_kernel(
-    const uint8_t* __restrict__ data, int64_t data_bytes, const int32_t* __restrict__ meta,
-    const int32_t* __restrict__ page_ids, int64_t num_pages, uint16_t* __restrict__ out, int64_t num_blocks, int P,
-    int H, int D, int words) {
+__global__ void __launch_bounds__(kWarps* kWarp, 4)
+    decompress_pages_kernel(const uint8_t* __restrict__ data, int64_t data_bytes, const int32_t* __restrict__ meta,
+                            const int32_t* __restrict__ page_ids, int64_t num_pages, uint16_t* __restrict__ out,
+                            int64_t num_blocks, int P, int H, int D, int words) {
   __shared__ __align__(16) uint32_t stage[kWarps][kStageWords];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int nb = blocks_per_stream(P, D);

@@ -25,8 +25,7 @@ constexpr int kMinTilesPerWarp = 2;  // below this per warp a split's pipeline i
 // the warps' merge, the epilogue); a split plan adds the merge kernel. Splitting must save 5% over no split, and of
 // the split counts within 3% of the best the fewest win (the model is no finer than that). A 6-warp layout must
 // save kSixGain (plan_decode).
-constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03,
-                 kSixGain = 0.02;
+constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03, kSixGain = 0.02;
 // When CTAs outnumber the slots, SMs take new CTAs as old ones finish and end unevenly: the last CTAs started run
 // with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (docs/decode-kernel.md, v7).
 constexpr double kTailCtaTimes = 1.5;
@@ -67,8 +66,8 @@ int occupancy(int head_dim, int group, int warps) {
 
 // Shapes the plan sees; the tile count is the batch's mean (ragged batches are planned as if even).
 struct Shape {
-  int64_t ctas;      // batch x kv_heads: one CTA each before splitting
-  double tiles;      // mean 16-token tiles per request inside the window
+  int64_t ctas;  // batch x kv_heads: one CTA each before splitting
+  double tiles;  // mean 16-token tiles per request inside the window
   int head_dim, group;
 };
 
@@ -139,12 +138,12 @@ Shape decode_shape(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int64_t p
   return Shape{batch * kv_heads, tiles, head_dim, group};
 }
 
-void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
-                       const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
-                       int64_t page_size, double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
-                       int64_t window_left, double logits_soft_cap) {
-  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
-                    window_left, logits_soft_cap);
+void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta, const at::Tensor& kv_indptr,
+                       const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, int64_t page_size,
+                       double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
+                       double logits_soft_cap) {
+  check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse, window_left,
+                    logits_soft_cap);
   const int64_t batch = q.size(0);
   if (batch == 0 || q.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -192,15 +191,14 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
 
 // The plan paged_decode would make for these shapes: {splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty
 // batch, which launches nothing.
-std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages,
-                                      int64_t page_size, int64_t window_left) {
+std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages, int64_t page_size,
+                                      int64_t window_left) {
   check_plan_args(q, meta, nnz_pages, page_size, window_left);
   const int64_t group = q.size(1) / meta.size(2);
   if (q.size(0) == 0) return {0, 0, 0};
   const c10::cuda::CUDAGuard guard(q.device());
   const int D = q.size(2);
-  const Plan plan = plan_decode(
-      decode_shape(q.size(0), meta.size(2), nnz_pages, page_size, D, group, window_left));
+  const Plan plan = plan_decode(decode_shape(q.size(0), meta.size(2), nnz_pages, page_size, D, group, window_left));
   return {plan.splits, plan.warps, occupancy(D, static_cast<int>(group), plan.warps)};
 }
 

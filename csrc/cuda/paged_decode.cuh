@@ -44,23 +44,23 @@
 
 namespace zipkv::cuda::decode {
 
-constexpr int kMergeRows = 8;  // query rows (one warp each) per CTA of the split merge
+constexpr int kMergeRows = 8;   // query rows (one warp each) per CTA of the split merge
 constexpr int kMaxSplits = 64;  // the merge's lanes hold two splits each
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kMaxSlack = 8.f;  // log2 of the largest softmax weight a tile may take before the max is updated
+constexpr float kMaxSlack = 8.f;    // log2 of the largest softmax weight a tile may take before the max is updated
 constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block was not copied; the request becomes NaN
 
 struct Params {
-  const uint16_t* q;         // [batch, Hq, D]
-  const uint8_t* data;       // [data_bytes]
-  const int32_t* meta;       // [num_pages, 2, H, words]
-  const int32_t* kv_indptr;  // [batch + 1]
-  const int32_t* kv_indices; // [nnz]
-  const int32_t* kv_last;    // [batch]
-  uint16_t* out;             // [batch, Hq, D]           (num_splits == 1)
-  float* lse;                // [batch, Hq] or nullptr   (num_splits == 1), natural log
-  float* part_o;             // [splits, batch, Hq, D]   (num_splits > 1), normalised per split
-  float* part_lse;           // [splits, batch, Hq]      (num_splits > 1), log2 domain
+  const uint16_t* q;          // [batch, Hq, D]
+  const uint8_t* data;        // [data_bytes]
+  const int32_t* meta;        // [num_pages, 2, H, words]
+  const int32_t* kv_indptr;   // [batch + 1]
+  const int32_t* kv_indices;  // [nnz]
+  const int32_t* kv_last;     // [batch]
+  uint16_t* out;              // [batch, Hq, D]           (num_splits == 1)
+  float* lse;                 // [batch, Hq] or nullptr   (num_splits == 1), natural log
+  float* part_o;              // [splits, batch, Hq, D]   (num_splits > 1), normalised per split
+  float* part_lse;            // [splits, batch, Hq]      (num_splits > 1), log2 domain
   int64_t data_bytes, num_pages, nnz;
   int batch, Hq, H, group, page_size, words, num_splits;
   int window_left;   // >= 0: attend to each request's last window_left + 1 tokens only; -1: to all
@@ -89,7 +89,7 @@ struct Cfg {
   static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
-  static constexpr int kBarBytes = kWarps * kSlots * 8;    // one mbarrier per warp and slot
+  static constexpr int kBarBytes = kWarps * kSlots * 8;  // one mbarrier per warp and slot
   static constexpr int kSmemBytes = kPipeBytes + kBarBytes + kTableBytes;
   static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
   static_assert(kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
@@ -263,9 +263,9 @@ constexpr uint32_t kAllComp = 1, kAllRaw = 2, kMixed = 3;
 // refused stream), where its K and V bytes are, how many, and each stream's kind (bits 0-1 K, 2-3 V; 0: refused) and
 // raw-block mask (bits 8-15 K, 16-23 V).
 struct TileRecBase {
-  uint4 descs;       // K descriptor bytes, then V's
-  uint32_t src[2];   // K, V byte offsets in data / 256
-  uint32_t bytes;    // K bytes | V bytes << 16 (0 for a refused stream)
+  uint4 descs;      // K descriptor bytes, then V's
+  uint32_t src[2];  // K, V byte offsets in data / 256
+  uint32_t bytes;   // K bytes | V bytes << 16 (0 for a refused stream)
   uint32_t kinds;
 };
 // At d 64 the record also holds the tables of the tile's 4 blocks (K's two, then V's: format.h code_table), made once
@@ -381,10 +381,14 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
     else rebuild_compressed(next, tables(first + kC + 1), lane, r[kC + 1]);
   };
   switch ((mask >> kC) & 3u) {
-    case 0: if constexpr (kB > 2) line.template operator()<0>(); break;  // a 2-block mix is pattern 1 or 2
+    case 0:
+      if constexpr (kB > 2) line.template operator()<0>();
+      break;  // a 2-block mix is pattern 1 or 2
     case 1: line.template operator()<1>(); break;
     case 2: line.template operator()<2>(); break;
-    default: if constexpr (kB > 2) line.template operator()<3>(); break;
+    default:
+      if constexpr (kB > 2) line.template operator()<3>();
+      break;
   }
 }
 
@@ -415,8 +419,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // The request's page-table entries; an inconsistent one poisons the request.
   const int32_t begin = p.kv_indptr[b], end = p.kv_indptr[b + 1];
   const int32_t npages = end - begin, last = npages > 0 ? p.kv_last[b] : 0;
-  const bool bad_request =
-      begin < 0 || npages < 0 || end > p.nnz || (npages > 0 && (last < 1 || last > p.page_size));
+  const bool bad_request = begin < 0 || npages < 0 || end > p.nnz || (npages > 0 && (last < 1 || last > p.page_size));
   const int64_t seq_len = bad_request || npages == 0 ? 0 : static_cast<int64_t>(npages - 1) * p.page_size + last;
   // A sliding window starts at token `first`: the tiles before its tile are not part of the request's work at all
   // (never loaded); inside its tile, tokens before it are masked like those past the end.
@@ -664,7 +667,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       }
     }
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
-                invalid_desc_bytes(descs.w)) != 0;  // only kDescBad is invalid here
+                invalid_desc_bytes(descs.w)) != 0;         // only kDescBad is invalid here
     mbar_wait(bars + 8 * (i % kSlots), (i / kSlots) & 1);  // tile i has landed
     const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
     const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
@@ -688,8 +691,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       const uint32_t kind = (kinds >> (2 * kv)) & 3u;
       if (kind == kAllComp) {
 #pragma unroll
-        for (int c = 0; c < kB; ++c)
-          rebuild_compressed(base + kCompBlockBytes * c, tables(kv * kB + c), lane, r[c]);
+        for (int c = 0; c < kB; ++c) rebuild_compressed(base + kCompBlockBytes * c, tables(kv * kB + c), lane, r[c]);
       } else if (kind == kAllRaw) {
 #pragma unroll
         for (int c = 0; c < kB; ++c) rebuild_raw(base + kRawBlockBytes * c, lane, r[c]);

@@ -59,16 +59,14 @@ auto dispatch(int group, int warps, F&& f) {
 
 template <int D>
 int ctas_per_sm(int group, int warps) {
-  return dispatch<D>(group, warps, [&]<int kHeadTiles, int kCtas, int kWarps>() {
-    return occupancy<D, kHeadTiles, kCtas, kWarps>();
-  });
+  return dispatch<D>(
+      group, warps, [&]<int kHeadTiles, int kCtas, int kWarps>() { return occupancy<D, kHeadTiles, kCtas, kWarps>(); });
 }
 
 template <int D>
 void launch(const Params& p, int warps, cudaStream_t stream) {
-  dispatch<D>(p.group, warps, [&]<int kHeadTiles, int kCtas, int kWarps>() {
-    launch_kernel<D, kHeadTiles, kCtas, kWarps>(p, stream);
-  });
+  dispatch<D>(p.group, warps,
+              [&]<int kHeadTiles, int kCtas, int kWarps>() { launch_kernel<D, kHeadTiles, kCtas, kWarps>(p, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
     // Programmatic dependent launch: the merge's CTAs start while the decode grid drains (launch latency hidden).
@@ -85,9 +83,9 @@ void launch(const Params& p, int warps, cudaStream_t stream) {
   }
 }
 
-#define ZIPKV_INSTANTIATE_DECODE(D)                                                                   \
+#define ZIPKV_INSTANTIATE_DECODE(D)                                                                      \
   static_assert(::zipkv::head_dim_supported(D), "format.h's ZIPKV_FOR_EACH_HEAD_DIM does not list " #D); \
-  template int ctas_per_sm<D>(int group, int warps);                                                  \
+  template int ctas_per_sm<D>(int group, int warps);                                                     \
   template void launch<D>(const Params& p, int warps, cudaStream_t stream);
 
 }  // namespace zipkv::cuda::decode

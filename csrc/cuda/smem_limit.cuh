@@ -7,11 +7,11 @@
 // limit twice is harmless, so two threads racing on one flag do no damage.
 #pragma once
 
-#include <atomic>
-
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
+
+#include <atomic>
 
 namespace zipkv::cuda {
 
