@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -22,11 +24,17 @@ NEW = 12
 KV = dict(max_kv_bytes=256 << 10, kv_chunk_bytes=4096)  # 1 KV head per rank: a raw page of a layer is 4 KiB
 
 
-def prompts() -> list[list[int]]:
-    """40, 27, 33 and 40 tokens: several 16-token prefill chunks each, and pages that fill and compress. Seeds chosen
-    so that the reference's greedy choices are clear (test_engine_tp.py checks it)."""
-    return [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-            for n, seed in ((40, 112), (27, 113), (33, 114), (40, 120))]
+LENGTHS = (40, 27, 33, 40)  # several 16-token prefill chunks each, and pages that fill and compress
+PROMPTS_FILE = "engine_prompts.json"  # in the models directory: test_engine_tp.py chooses them, every rank reads them
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prompts(models) -> list[list[int]]:
+    """One prompt of each of LENGTHS, as test_engine_tp.py chose them for the model in hand (greedy choices clear)."""
+    return json.loads((Path(models) / PROMPTS_FILE).read_text())
 
 
 def outputs(outs) -> list:
@@ -36,7 +44,7 @@ def outputs(outs) -> list:
 def staggered(models, rank):
     """Every rank makes the same calls: requests arrive at steps 0, 2, 2 and 5, prefilled in chunks of 16."""
     eng = Engine(load(models + "/llama"), prefill_chunk=16, compress_every=2, **KV)
-    ps = prompts()
+    ps = prompts(models)
     arrivals = {0: [0], 2: [1, 2], 5: [3]}
     log, kv, step = [], [], 0
     while step <= max(arrivals) or eng.has_unfinished():
@@ -54,7 +62,7 @@ def follower(models, rank):
     """Only rank 0 adds requests and aborts; rank 1 only steps, and replays rank 0's calls. Request 1 is aborted
     while running, request 3 while waiting (max_batch 2)."""
     eng = Engine(load(models + "/llama"), prefill_chunk=16, max_batch=2, **KV)
-    ps = prompts()
+    ps = prompts(models)
     log, aborts = [], {}
     for step in range(10):
         if rank == 0:
@@ -77,7 +85,7 @@ def admission(models, rank):
     eng = Engine(load(models + "/llama"), max_kv_bytes=budget, kv_chunk_bytes=4096, prefill_chunk=16)
     alone = CompressedPagedKVCache(2, 1, 64, max_bytes=budget, chunk_bytes=4096, device="cpu")
     out = {"capacity_alone": alone.capacity(40, NEW).requests, "capacity_agreed": eng.kv.capacity(40, NEW).requests}
-    for p in prompts():
+    for p in prompts(models):
         eng.add_request(p, SamplingParams(max_new_tokens=NEW))
     running, log = [], []
     while eng.has_unfinished():
@@ -90,7 +98,7 @@ def admission(models, rank):
 def mismatch(models, rank):
     """Ranks that add different requests: every rank raises the same error at the next step (none waits forever)."""
     eng = Engine(load(models + "/llama"), **KV)
-    eng.add_request(prompts()[rank], SamplingParams(max_new_tokens=2))
+    eng.add_request(prompts(models)[rank], SamplingParams(max_new_tokens=2))
     try:
         eng.step()
         return {"error": None}
@@ -101,7 +109,7 @@ def mismatch(models, rank):
 def diverged(models, rank):
     """A rank whose engine state differs from rank 0's (simulated): every rank raises at the next step."""
     eng = Engine(load(models + "/llama"), **KV)
-    eng.add_request(prompts()[0], SamplingParams(max_new_tokens=4))
+    eng.add_request(prompts(models)[0], SamplingParams(max_new_tokens=4))
     eng.step()
     if rank == 1:
         eng._tp.state_digest = b"not rank 0's"

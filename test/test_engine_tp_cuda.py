@@ -23,6 +23,7 @@ def run(tmp_path_factory):
     models, out = root / "models", root / "out"
     out.mkdir()
     save_model(models / "llama", 3)
+    cpu.choose_prompts(models)
     return models, out, launch_2_ranks("engine_tp_worker.py", models, out, *SCENARIOS, gpus="0,1")
 
 

@@ -326,6 +326,8 @@ def test_compressed_kv_checks_its_fields(setup):
         torch_zipkv.CompressedKV(ckv.meta.flatten(), ckv.meta, 16, 64)
     with pytest.raises(TypeError, match="CompressedKV: page_size must be an int, got str"):
         torch_zipkv.CompressedKV(ckv.data, ckv.meta, "16", 64)
+    with pytest.raises(TypeError, match="CompressedKV: head_dim must be an int, got bool"):  # a bool is not an int
+        torch_zipkv.CompressedKV(ckv.data, ckv.meta, 16, True)
     with pytest.raises(ValueError, match=r"CompressedKV: meta must be \[num_pages, 2, num_kv_heads, 4\] for page_size "
                                          r"64 and head_dim 64"):
         torch_zipkv.CompressedKV(ckv.data, ckv.meta, 64, 64)

@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,22 @@ def load(path):
             path, tp_plan="auto", dtype=torch.bfloat16)).eval()
 
 
-def prompts():
-    """The batch test_tp.py's single-process reference uses: 2 prompts of 40 and 27 tokens, left-padded."""
-    g = torch.Generator().manual_seed(1)
+PROMPTS_FILE = "prompts.json"  # in the models directory: test_tp.py chooses the prompts, every rank reads them
+
+
+def prompt_batch(seed: int):
+    """2 prompts of 40 and 27 tokens, left-padded: ``(ids, mask)`` [2, 40]."""
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (2, 40), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :13] = 0
     return ids, mask
+
+
+def prompts(models):
+    """The batch test_tp.py chose for the model in hand (a :func:`prompt_batch` whose greedy choices are clear)."""
+    seed = json.loads((Path(models) / PROMPTS_FILE).read_text())["seed"]
+    return prompt_batch(seed)
 
 
 def caps(kv: CompressedPagedKVCache, prompt_len: int, new: int) -> list[int]:
@@ -48,7 +58,7 @@ def caps(kv: CompressedPagedKVCache, prompt_len: int, new: int) -> list[int]:
 
 def generate(models, rank, world):
     model = load(models + "/llama")
-    ids, mask = prompts()
+    ids, mask = prompts(models)
     out = {}
     cache = ZipKVCache.from_model(model, batch_size=2, max_length=ids.shape[1] + NEW, max_new_tokens=NEW)
     out["kv_heads"] = cache.kv.num_kv_heads
@@ -70,7 +80,7 @@ def generate(models, rank, world):
 
 def compiled(models, rank, world):
     model = load(models + "/llama")
-    ids, mask = prompts()
+    ids, mask = prompts(models)
     return {"zipkv_generate_compiled": torch_zipkv.generate(model, ids, mask, max_new_tokens=NEW,
                                                             compile=True).tolist()}
 
@@ -78,7 +88,7 @@ def compiled(models, rank, world):
 def refusal(models, rank, world):
     """Rank 1 gets room for one prompt and its new tokens, rank 0 for two (the test hook: a per-rank budget)."""
     model = load(models + "/llama")
-    ids, mask = prompts()
+    ids, mask = prompts(models)
     out = {}
     batch = 2 if rank == 0 else 1
     cache = ZipKVCache.from_model(model, batch_size=batch, max_length=40 + NEW, max_new_tokens=NEW)

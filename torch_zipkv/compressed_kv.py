@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
 from . import format as fmt
 from . import ops
+from .checks import is_int
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,12 @@ class CompressedKV:
     head_dim: int
 
     def __post_init__(self) -> None:
-        for name, types, what in (("data", torch.Tensor, "a torch.Tensor"), ("meta", torch.Tensor, "a torch.Tensor"),
-                                  ("page_size", numbers.Integral, "an int"), ("head_dim", numbers.Integral, "an int")):
-            if not isinstance(getattr(self, name), types):
-                raise TypeError(f"CompressedKV: {name} must be {what}, got {type(getattr(self, name)).__name__}")
+        for name in ("data", "meta"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"CompressedKV: {name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
+        for name in ("page_size", "head_dim"):
+            if not is_int(getattr(self, name)):  # a bool is not an int (torch_zipkv.checks)
+                raise TypeError(f"CompressedKV: {name} must be an int, got {type(getattr(self, name)).__name__}")
         for name, dtype in (("data", torch.uint8), ("meta", torch.int32)):
             if getattr(self, name).dtype != dtype:
                 raise TypeError(f"CompressedKV: {name} must be {dtype}, got {getattr(self, name).dtype}")

@@ -88,7 +88,7 @@ def _check_types(op: str, **args: tuple) -> None:
     would raise "expected int, found int") or a float that overflows float64."""
     for name, (value, kind) in args.items():
         types, what = _KINDS[kind]
-        if not isinstance(value, types) or (kind.startswith("int") and isinstance(value, bool)):
+        if not isinstance(value, types) or (kind.startswith("int") and isinstance(value, bool)):  # checks.is_int's rule
             raise TypeError(f"zipkv.{op}: {name} must be {what}, got {type(value).__name__}")
         if kind.startswith("int") and isinstance(value, numbers.Integral) and not -2**63 <= value < 2**63:
             raise ValueError(f"zipkv.{op}: {name} must fit in an int64, got {value}")
