@@ -67,10 +67,10 @@ class Engine:
         check_int("max_kv_bytes", max_kv_bytes, 1, optional=True)
         check_int("kv_chunk_bytes", kv_chunk_bytes, 1, optional=True)
         check_int("seed", seed)
-        for name, flag in (("compress", compress), ("cuda_graphs", cuda_graphs)):
-            if not isinstance(flag, bool) and not (name == "cuda_graphs" and flag is None):
-                raise TypeError(f"{name} must be a bool{' or None' if name == 'cuda_graphs' else ''}, got "
-                                f"{type(flag).__name__}")
+        if not isinstance(compress, bool):
+            raise TypeError(f"compress must be a bool, got {type(compress).__name__}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be None or a bool, got {type(cuda_graphs).__name__}")
         if max_kv_bytes is not None and memory_fraction is not None:
             raise ValueError("give at most one of max_kv_bytes and memory_fraction")
         self.device = param.device
@@ -99,8 +99,8 @@ class Engine:
                                          device=self.device, sliding_window=windows, process_group=group,
                                          chunk_bytes=kv_chunk_bytes)
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
-        self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda if cuda_graphs is None else
-                                  cuda_graphs and on_cuda, max_batch=max_batch)
+        self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
+                                  max_batch=max_batch)
         self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
 
