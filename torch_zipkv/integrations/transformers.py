@@ -10,6 +10,11 @@ Importing this module registers "zipkv" with transformers' ``AttentionInterface`
 ``from_pretrained(..., attn_implementation="zipkv")``). transformers 5.24 renamed the cache argument of ``forward``
 and ``generate`` from ``past_key_values`` to ``cache``; :func:`cache_kwarg` tells which one a model takes.
 
+Which models: decoder-only, attention (full or sliding-window) in every layer, GQA groups of at most ``MAX_GROUP``
+query heads per KV head, one head_dim the format takes for keys and values, bfloat16. :func:`check_model` refuses any
+other ("this model type is not supported: ..."), and :func:`enable`, :func:`kv_geometry` (so
+:meth:`ZipKVCache.from_model` and the engine) and :func:`generate` run it first.
+
 How the attention function reaches the cache. transformers' attention modules (Llama, Qwen2/3, Mistral, Gemma 2/3,
 ...) call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then ``attention_interface(module, q, k, v, mask,
 **kwargs)`` with the same ``kwargs`` dict. :meth:`ZipKVCache.update` stores the cache in that dict as
@@ -23,10 +28,12 @@ all the work for ``module.layer_idx``:
   on the compressed pages.
 
 Sequences are added to the :class:`~torch_zipkv.CompressedPagedKVCache` at prefill, when their real lengths are known,
-each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compressed at the start of a decode step
+each with a budget of prompt + ``max_new_tokens`` tokens (or prefilled elsewhere and taken over with
+:meth:`ZipKVCache.adopt`). Full pages are handed to the compressor at the start of a decode step
 (:meth:`ZipKVCache.begin_step`; every ``compress_every`` steps, the first decode step included), after the attention
-that read them; never inside the attention. Without a ``ZipKVCache`` (``use_cache=False``, or another cache class),
-"zipkv" attention is plain SDPA.
+that read them, never inside the attention, and without waiting for the device: their compressed copies take their place
+at a later such call, once their sizes have reached the host, and until then they are read raw. Without a ``ZipKVCache``
+(``use_cache=False``, or another cache class), "zipkv" attention is plain SDPA.
 
 Compiling a decode step: call :meth:`ZipKVCache.begin_step` before it (compression of full pages and the step's
 plan: host work), pass ``position_ids``, and the step itself is tensor ops only. ``torch.compile(fullgraph=True)``
@@ -36,12 +43,13 @@ transformers asks the cache during a step is the same Python value every step (m
 "zipkv" mask function returns no mask for a decode step: ``paged_decode`` attends to exactly the stored tokens.
 
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``): :meth:`ZipKVCache.from_model` builds
-the paged cache with each layer's window from the config, so decode attends to the window only and the pages before
-it are freed between steps. Attention logit softcapping (Gemma 2): decode passes the cap to ``paged_decode``;
-prefill, which SDPA cannot cap, runs a plain eager attention with the cap.
+the paged cache with each layer's window from the config, so decode attends to the window only, and the pages wholly
+before it are freed at each compression. Attention logit softcapping (Gemma 2): decode passes the cap to
+``paged_decode``; prefill, which SDPA cannot cap, runs a plain eager attention with the cap.
 
-Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked prefill,
-continuing a conversation, assisted decoding), beam search and ``num_return_sequences > 1``.
+``num_return_sequences > 1`` works: ``generate`` repeats the prompts before the prefill (size the cache for the
+repeated batch). Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked
+prefill, continuing a conversation, assisted decoding) and beam search.
 """
 
 from __future__ import annotations
@@ -316,8 +324,9 @@ class ZipKVCache(Cache):
         raise NotImplementedError("ZipKVCache does not support beam search")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise NotImplementedError("ZipKVCache does not support num_return_sequences > 1 or beam search")
+        if repeats != 1:  # transformers 5.24's num_return_sequences repeats the prompts before the prefill instead
+            raise NotImplementedError("ZipKVCache cannot repeat the rows of a batch it holds (beam search, "
+                                      "contrastive search)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("ZipKVCache does not support selecting batch rows")
