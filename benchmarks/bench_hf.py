@@ -86,16 +86,13 @@ def transformers_path(model, batch, ctx, steps, device, compile_mode, sync) -> f
 def zipkv_path(model, batch, ctx, steps, device, compile_mode, sync) -> tuple[float, dict]:
     torch_zipkv.enable(model)
     cache = ZipKVCache.from_model(model, batch_size=batch, max_length=ctx + steps + 8, max_new_tokens=steps + 8)
-    cfg = model.config
     kv = cache.kv
-    cache.seq_ids = [kv.add_sequence(prompt_len=ctx, max_new_tokens=steps + 8) for _ in range(batch)]
-    for layer in range(cfg.num_hidden_layers):  # the context, as a prefill would leave it: full pages compressed
-        for sid in cache.seq_ids:
+    seq_ids = [kv.add_sequence(prompt_len=ctx, max_new_tokens=steps + 8) for _ in range(batch)]
+    for layer in range(kv.num_layers):  # the context, as a prefill would leave it: full pages compressed
+        for sid in seq_ids:
             k, v = torch.randn(2, ctx, kv.num_kv_heads, kv.head_dim, device=device).to(torch.bfloat16)
             kv.append(layer, sid, k, v)
-        cache.layers[layer].is_initialized = True
-    cache.positions.fill_(ctx)
-    cache.touched = True
+    cache.adopt(seq_ids)  # the batch, ctx tokens each: the next model call is a decode step
     kv.compress_full_pages()
     return time_decode(model, cache, batch, ctx, steps, device, compile_mode, sync, cache.begin_step), kv.stats()
 

@@ -59,13 +59,11 @@ def kv_tokens(kind: str, n: int, heads: int, head_dim: int, device) -> tuple[tor
 def fill(cache: ZipKVCache, batch: int, ctx: int, new: int, kind: str) -> None:
     """``batch`` sequences of ``ctx`` tokens in every layer, as a prefill leaves them (full pages compressed)."""
     kv = cache.kv
-    cache.seq_ids = [kv.add_sequence(prompt_len=ctx, max_new_tokens=new) for _ in range(batch)]
+    seq_ids = [kv.add_sequence(prompt_len=ctx, max_new_tokens=new) for _ in range(batch)]
     for layer in range(kv.num_layers):
-        for sid in cache.seq_ids:
+        for sid in seq_ids:
             kv.append(layer, sid, *kv_tokens(kind, ctx, kv.num_kv_heads, kv.head_dim, kv.device))
-        cache.layers[layer].is_initialized = True
-    cache.positions.fill_(ctx)
-    cache.touched = True
+    cache.adopt(seq_ids)  # the batch, ctx tokens each: the next model call is a decode step
     kv.compress_full_pages()
 
 

@@ -15,6 +15,8 @@ from torch_zipkv.integrations.transformers import ZipKVCache, cache_kwarg  # noq
 
 from conftest import require_smollm2  # noqa: E402
 from hf_models import padded_batch, small_model, teacher_forced_logits  # noqa: E402
+import demo  # noqa: E402  (examples/demo.py: the yardstick it states, its bound and tie rule)
+from demo import GAP_BOUND, bf16_step  # noqa: E402
 
 PAGE = 16
 NEW_TOKENS = 64
@@ -85,11 +87,6 @@ def test_smollm2_real_kv_prefill_runs_where_the_shared_model_is(smollm2, tmp_pat
         assert (gpu_kv[layer].double() - ref).norm() / ref.norm() < 0.05, layer
 
 
-def bf16_step(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 values at |x| (8 significant bits): 0.125 for logits in [16, 32), 0.25 in [32, 64)."""
-    return torch.exp2(torch.floor(torch.log2(x.abs())) - 7)
-
-
 def assert_greedy_generate_matches_default(model, tok):
     """Greedy generation from the compressed cache against transformers' default path. The only allowed departure
     is at a bf16 tie: where the default path's two best logits are at most one bf16 step apart (the step at the
@@ -124,14 +121,15 @@ def assert_greedy_generate_matches_default(model, tok):
     stats = cache.stats()
     assert stats["sequences"] == len(PROMPTS)
     # Every full page but those filled by the last step has been compressed, and compression saved bytes.
-    assert stats["tokens"] == model.config.num_hidden_layers * int(inp.attention_mask.sum() + len(PROMPTS) * (NEW_TOKENS - 1))
+    tokens = int(inp.attention_mask.sum() + len(PROMPTS) * (NEW_TOKENS - 1))
+    assert stats["tokens"] == model.config.num_hidden_layers * tokens
     assert stats["stored_bytes"] < 0.9 * stats["raw_bytes"]
 
 
 def test_smollm2_teacher_forced_logits_match_default(smollm2):
     """Fed the default path's own greedy tokens for 64 steps, the "zipkv" path's logits stay within bf16
     tolerance of the default's at every step, and its argmax is the default's token except at bf16 ties. The
-    tolerance is what transformers' eager attention itself departs from SDPA by, times 1.5."""
+    tolerance is what transformers' eager attention itself departs from SDPA by, times 1.5 (demo.YARDSTICK)."""
     model, tok = smollm2
     inp = tok(PROMPTS, return_tensors="pt", padding=True)
     L = inp.input_ids.shape[1]
@@ -144,7 +142,7 @@ def test_smollm2_teacher_forced_logits_match_default(smollm2):
     cache = zipkv_cache(model, len(PROMPTS), L + NEW_TOKENS, NEW_TOKENS)
     got = teacher_forced_logits(model, "zipkv", inp.input_ids, inp.attention_mask, forced, cache)
     model.set_attn_implementation("sdpa")
-    tol = 1.5 * float((eager - ref).abs().max())
+    tol = GAP_BOUND * float((eager - ref).abs().max())
     err = (got - ref).abs().amax(-1)  # [B, steps]
     assert float(err.max()) <= tol, f"zipkv logits off by {float(err.max())}, eager-vs-sdpa tolerance {tol}"
     assert float(err[:, 0].max()) == 0.0, "prefill runs transformers' own SDPA: its logits must be identical"
@@ -166,7 +164,7 @@ def reference_and_tolerance(model, ids, mask, forced):
     else:
         ref, eager = eager, teacher_forced_logits(model.float(), "eager", ids, mask, forced)
         model.bfloat16()
-    return ref, max(1.5 * float((eager - ref).abs().max()), 4e-3)
+    return ref, max(GAP_BOUND * float((eager - ref).abs().max()), 4e-3)
 
 
 def assert_zipkv_logits_match(model, arch: str, gen, lengths, steps: int) -> ZipKVCache:
@@ -293,11 +291,70 @@ def test_bad_arguments_raise():
         ZipKVCache(object())
     with pytest.raises(TypeError, match="model must be"):
         torch_zipkv.enable(object())
+    with pytest.raises(TypeError, match="^cache must be a ZipKVCache or None, got DynamicCache"):
+        torch_zipkv.generate(torch_zipkv.enable(model), torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2,
+                             cache=transformers.DynamicCache(config=model.config))
+    # A float32 model is refused up front (test_hf_models_supported.py); one converted after its cache was built is
+    # still refused at its first forward, before anything is stored.
+    cache = ZipKVCache.from_model(model, max_length=32, page_size=PAGE)
     model32 = model.float()
-    cache = ZipKVCache.from_model(model32, max_length=32, page_size=PAGE)
     with pytest.raises(ValueError, match="bfloat16"):
         teacher_forced_logits(model32, "zipkv", torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
                               torch.zeros(1, 0, dtype=torch.long), cache)
+    assert cache.stats()["sequences"] == 0
+
+
+def integer_calls(model, kv):
+    """Every integer argument of the integration: name -> a call taking one value for it."""
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    from_model = ZipKVCache.from_model
+
+    def adopt_length(v):
+        cache = ZipKVCache(kv)
+        sid = kv.add_sequence(prompt_len=4)
+        for layer in range(kv.num_layers):
+            kv.append(layer, sid, *torch.zeros(2, 4, kv.num_kv_heads, kv.head_dim, dtype=torch.bfloat16))
+        try:
+            cache.adopt([sid], length=v)
+        finally:
+            kv.free_sequence(sid)
+
+    return {
+        "ZipKVCache max_new_tokens": lambda v: ZipKVCache(kv, max_new_tokens=v),
+        "ZipKVCache compress_every": lambda v: ZipKVCache(kv, compress_every=v),
+        "from_model batch_size": lambda v: from_model(model, batch_size=v, max_length=32),
+        "from_model max_length": lambda v: from_model(model, max_length=v),
+        "from_model max_new_tokens": lambda v: from_model(model, max_length=32, max_new_tokens=v),
+        "from_model max_bytes": lambda v: from_model(model, max_bytes=v),
+        "from_model page_size": lambda v: from_model(model, max_length=32, page_size=v),
+        "from_model compress_every": lambda v: from_model(model, max_length=32, compress_every=v),
+        "generate max_new_tokens": lambda v: torch_zipkv.generate(model, ids, max_new_tokens=v),
+        "generate eos_token_id": lambda v: torch_zipkv.generate(model, ids, max_new_tokens=2, eos_token_id=v),
+        "adopt length": adopt_length,
+    }
+
+
+INTEGER_ARGUMENTS = {  # the calls of integer_calls, and a value below each one's range
+    "ZipKVCache max_new_tokens": -1, "ZipKVCache compress_every": 0, "from_model batch_size": 0,
+    "from_model max_length": 0, "from_model max_new_tokens": -1, "from_model max_bytes": 0,
+    "from_model page_size": 8, "from_model compress_every": 0, "generate max_new_tokens": 0,
+    "generate eos_token_id": -1, "adopt length": 0}
+
+
+@pytest.mark.parametrize("call", list(INTEGER_ARGUMENTS))
+def test_integer_arguments_follow_the_library_rule(call):
+    """torch_zipkv.checks: a bool where an int is meant is a TypeError (True used to pass for 1), so is a float; an int
+    out of range is a ValueError; each names the argument. page_size's range is the format's (multiples of 16)."""
+    model = torch_zipkv.enable(small_model("qwen3"))
+    kv = torch_zipkv.CompressedPagedKVCache(2, 2, 64, max_bytes=1 << 24, device="cpu")
+    fn, name = integer_calls(model, kv)[call], call.split()[-1]
+    for bad in (True, False, 2.0):
+        with pytest.raises(TypeError, match=f"^{name} must be .*int.*, got {type(bad).__name__} {bad!r}$"):
+            fn(bad)
+    low = INTEGER_ARGUMENTS[call]
+    with pytest.raises(ValueError, match=f"^{name} must be .*, got {low}$"):
+        fn(low)
+    assert kv.seq_ids == []
 
 
 def test_generate_loop_gives_model_generate_tokens_and_compiles(gen):
@@ -340,8 +397,134 @@ def test_generate_on_cuda_eager_and_cuda_graphs(gen):
 
 
 def test_bf16_step_is_the_spacing_of_bf16():
-    """The tie threshold above is the distance from x to the next bf16 value away from 0 (the bit pattern + 1)."""
+    """The tie threshold (demo.bf16_step) is the distance from x to the next bf16 value away from 0 (bits + 1)."""
     x = (torch.randn(10_000) * torch.exp2(torch.randint(-20, 20, (10_000,)).float())).to(torch.bfloat16)
     x = x[x != 0]
     up = (x.abs().view(torch.int16) + 1).view(torch.bfloat16).float()
     assert torch.equal(bf16_step(x.float()), up - x.abs().float())
+
+
+# ---- sequences prefilled outside the model: ZipKVCache.adopt ------------------------------------------------------
+@torch.no_grad()
+def prefill_elsewhere(model, ids, mask, kv, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """The prompts prefilled by transformers' default path (DynamicCache + SDPA), their real tokens' K/V appended to
+    ``kv`` directly: the prompt's last logits (float [B, vocab]) and the sequence ids, one per row."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    dynamic = DynamicCache(config=model.config)
+    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): dynamic}).logits
+    seq_ids = []
+    for row, n in enumerate(mask.sum(1).tolist()):
+        seq_ids.append(kv.add_sequence(prompt_len=n, max_new_tokens=max_new_tokens))
+        for layer, held in enumerate(dynamic.layers):  # keys [B, H, L, D], left-padded: the last n are real
+            k, v = (t[row, :, -n:].transpose(0, 1).contiguous() for t in (held.keys, held.values))
+            kv.append(layer, seq_ids[-1], k, v)
+    return logits[:, -1].float(), seq_ids
+
+
+@torch.no_grad()
+def decode_steps(model, cache, mask, forced) -> torch.Tensor:
+    """One "zipkv" decode step per column of ``forced`` after prompts with ``mask``: float [B, T, vocab]."""
+    model.set_attn_implementation("zipkv")
+    pos = (mask.long().cumsum(-1) - 1)[:, -1:]
+    out = []
+    for t in range(forced.shape[1]):
+        pos = pos + 1
+        out.append(model(input_ids=forced[:, t:t + 1], position_ids=pos, **{cache_kwarg(model): cache}).logits[:, -1])
+    return torch.stack(out, 1).float()
+
+
+@pytest.mark.parametrize("lengths, length, rows", [([24, 15], 24, [0, 1]), ([20, 20], None, [1, 0])])
+def test_adopted_sequences_decode_as_if_prefilled_through_the_model(gen, lengths, length, rows):
+    """Prompts prefilled elsewhere (DynamicCache + SDPA: the same K/V the "zipkv" prefill stores), appended to the
+    paged cache and adopted as the batch rows ``rows`` of the prompts: 20 decode steps across page boundaries give
+    the logits of those prompts prefilled through the model into a ZipKVCache, bit for bit (so the same greedy
+    tokens), and the cache reads as that one does (positions, tokens, compressed pages). Left-padded prompts give
+    the padded length; equal ones default it."""
+    model = torch_zipkv.enable(small_model("qwen3"))
+    ids, mask, forced = padded_batch(gen, lengths, 20)
+    through = zipkv_cache(model, len(lengths), max(lengths) + 21, 21)
+    want = teacher_forced_logits(model, "zipkv", ids, mask, forced, through)[rows]
+    adopted = zipkv_cache(model, len(lengths), max(lengths) + 21, 21)
+    first, seq_ids = prefill_elsewhere(model, ids, mask, adopted.kv, 21)
+    adopted.adopt([seq_ids[r] for r in rows], length=length)
+    assert adopted.seq_ids == [seq_ids[r] for r in rows] and int(adopted.get_seq_length()) == max(lengths)
+    got = decode_steps(model, adopted, mask[rows], forced[rows])
+    assert torch.equal(first[rows], want[:, 0]), "the default path's prefill logits are the zipkv prefill's (SDPA)"
+    assert torch.equal(got, want[:, 1:])
+    assert torch.equal(got.argmax(-1), want[:, 1:].argmax(-1))
+    assert int(adopted.get_seq_length()) == int(through.get_seq_length()) == max(lengths) + 20
+    for key in ("sequences", "tokens", "stored_bytes"):
+        assert adopted.stats()[key] == through.stats()[key], key
+    adopted.reset()
+    assert adopted.kv.seq_ids == [], "reset frees the adopted sequences: the cache owns them"
+
+
+def test_adopt_refuses_what_it_cannot_take(gen):
+    model = torch_zipkv.enable(small_model("qwen3"))
+    ids, mask, _ = padded_batch(gen, [12, 7], 0)
+    cache = zipkv_cache(model, 3, 32, 8)
+    kv = cache.kv
+    _, (a, b) = prefill_elsewhere(model, ids, mask, kv, 8)
+    with pytest.raises(ValueError, match=r"^length: the sequences hold different numbers of tokens \(\[12, 7\]\)"):
+        cache.adopt([a, b])
+    with pytest.raises(ValueError, match="^length must be at least each sequence's length, got 11 for a sequence "
+                                         "of 12 tokens"):
+        cache.adopt([a, b], length=11)
+    with pytest.raises(ValueError, match=r"^seq_ids: 99 is not a running sequence of cache.kv"):
+        cache.adopt([a, 99], length=12)
+    with pytest.raises(ValueError, match=r"^seq_ids names a sequence more than once: \[0, 1, 0\]"):
+        cache.adopt([a, b, a], length=12)
+    with pytest.raises(ValueError, match="^seq_ids must name at least one sequence"):
+        cache.adopt([])
+    with pytest.raises(TypeError, match="^seq_ids must be a list of ints, got int 0"):
+        cache.adopt(a)
+    with pytest.raises(TypeError, match="^seq_ids must be a list of ints, got an entry bool True"):
+        cache.adopt([True])
+    half = kv.add_sequence(prompt_len=4)  # appended to layer 0 only: not a prefill
+    kv.append(0, half, *torch.zeros(2, 4, kv.num_kv_heads, kv.head_dim, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=rf"^seq_ids: sequence {half} holds \[4, 0\] tokens in layers 0..1"):
+        cache.adopt([half])
+    assert cache.seq_ids is None and int(cache.get_seq_length()) == 0, "a refused adopt changes nothing"
+    cache.adopt([a, b], length=12)
+    with pytest.raises(RuntimeError, match="already holds a batch"):
+        cache.adopt([half], length=12)
+    assert cache.seq_ids == [a, b]
+    prefilled = zipkv_cache(model, 2, 32, 8)  # a prefill through the model holds a batch too
+    teacher_forced_logits(model, "zipkv", ids, mask, ids[:, :0], prefilled)
+    sid = prefilled.kv.add_sequence(prompt_len=1)
+    for layer in range(2):
+        prefilled.kv.append(layer, sid, *torch.zeros(2, 1, kv.num_kv_heads, kv.head_dim, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="already holds a batch"):
+        prefilled.adopt([sid])
+
+
+def test_num_return_sequences_repeats_the_prompts_before_the_prefill(gen):
+    """model.generate(num_return_sequences=2) repeats each prompt before the prefill, so a ZipKVCache sized for the
+    repeated batch serves it: sampling from the top token only (top_k=1) gives greedy decoding of the repeated
+    prompts, token for token."""
+    model = torch_zipkv.enable(small_model("qwen2"))
+    ids, mask, _ = padded_batch(gen, [14, 9], 0)
+    kw = dict(max_new_tokens=12, min_new_tokens=12)
+    got = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=1, num_return_sequences=2, **kw,
+                         **{cache_kwarg(model): zipkv_cache(model, 4, 14 + 12, 12)})
+    want = model.generate(input_ids=ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),
+                          do_sample=False, **kw, **{cache_kwarg(model): zipkv_cache(model, 4, 14 + 12, 12)})
+    assert torch.equal(got, want)
+
+
+def test_the_yardstick_is_stated_identically():
+    """examples/demo.py prints its YARDSTICK, the bound test_smollm2_teacher_forced_logits_match_default checks
+    (GAP_BOUND times eager's gap, ties by bf16_step); its docstring and docs/transformers.md state the same sentence
+    (the demo once printed a ratio against a bound its docstring and the docs stated otherwise)."""
+    import pathlib
+
+    def words(text: str) -> str:
+        return " ".join(text.replace("\n>", "\n").split())
+
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
+    assert GAP_BOUND == 1.5 and f"at most {GAP_BOUND}x eager's" in demo.YARDSTICK
+    assert words(demo.YARDSTICK) in words(demo.__doc__)
+    assert words(demo.YARDSTICK) in words(docs.read_text())

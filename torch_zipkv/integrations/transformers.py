@@ -10,6 +10,11 @@ Importing this module registers "zipkv" with transformers' ``AttentionInterface`
 ``from_pretrained(..., attn_implementation="zipkv")``). transformers 5.24 renamed the cache argument of ``forward``
 and ``generate`` from ``past_key_values`` to ``cache``; :func:`cache_kwarg` tells which one a model takes.
 
+Which models: decoder-only, attention (full or sliding-window) in every layer, GQA groups of at most ``MAX_GROUP``
+query heads per KV head, one head_dim the format takes for keys and values, bfloat16. :func:`check_model` refuses any
+other ("this model type is not supported: ..."), and :func:`enable`, :func:`kv_geometry` (so
+:meth:`ZipKVCache.from_model` and the engine) and :func:`generate` run it first.
+
 How the attention function reaches the cache. transformers' attention modules (Llama, Qwen2/3, Mistral, Gemma 2/3,
 ...) call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then ``attention_interface(module, q, k, v, mask,
 **kwargs)`` with the same ``kwargs`` dict. :meth:`ZipKVCache.update` stores the cache in that dict as
@@ -23,10 +28,12 @@ all the work for ``module.layer_idx``:
   on the compressed pages.
 
 Sequences are added to the :class:`~torch_zipkv.CompressedPagedKVCache` at prefill, when their real lengths are known,
-each with a budget of prompt + ``max_new_tokens`` tokens. Full pages are compressed at the start of a decode step
+each with a budget of prompt + ``max_new_tokens`` tokens (or prefilled elsewhere and taken over with
+:meth:`ZipKVCache.adopt`). Full pages are handed to the compressor at the start of a decode step
 (:meth:`ZipKVCache.begin_step`; every ``compress_every`` steps, the first decode step included), after the attention
-that read them; never inside the attention. Without a ``ZipKVCache`` (``use_cache=False``, or another cache class),
-"zipkv" attention is plain SDPA.
+that read them, never inside the attention, and without waiting for the device: their compressed copies take their place
+at a later such call, once their sizes have reached the host, and until then they are read raw. Without a ``ZipKVCache``
+(``use_cache=False``, or another cache class), "zipkv" attention is plain SDPA.
 
 Compiling a decode step: call :meth:`ZipKVCache.begin_step` before it (compression of full pages and the step's
 plan: host work), pass ``position_ids``, and the step itself is tensor ops only. ``torch.compile(fullgraph=True)``
@@ -36,12 +43,13 @@ transformers asks the cache during a step is the same Python value every step (m
 "zipkv" mask function returns no mask for a decode step: ``paged_decode`` attends to exactly the stored tokens.
 
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``): :meth:`ZipKVCache.from_model` builds
-the paged cache with each layer's window from the config, so decode attends to the window only and the pages before
-it are freed between steps. Attention logit softcapping (Gemma 2): decode passes the cap to ``paged_decode``;
-prefill, which SDPA cannot cap, runs a plain eager attention with the cap.
+the paged cache with each layer's window from the config, so decode attends to the window only, and the pages wholly
+before it are freed at each compression. Attention logit softcapping (Gemma 2): decode passes the cap to
+``paged_decode``; prefill, which SDPA cannot cap, runs a plain eager attention with the cap.
 
-Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked prefill,
-continuing a conversation, assisted decoding), beam search and ``num_return_sequences > 1``.
+``num_return_sequences > 1`` works: ``generate`` repeats the prompts before the prefill (size the cache for the
+repeated batch). Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked
+prefill, continuing a conversation, assisted decoding) and beam search.
 """
 
 from __future__ import annotations
@@ -56,7 +64,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import format as fmt
 from ..cache import CompressedPagedKVCache
+from ..checks import check_int, is_int
 from ..distributed import local_kv_heads, tp_group
+from ..ops import MAX_GROUP
 
 ATTN_IMPLEMENTATION = "zipkv"
 # (cache, layer_idx) from the last ZipKVCache.update that had no attention kwargs to carry the cache (older
@@ -97,7 +107,7 @@ class _PagedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         # transformers 5.24 passes the query length, older versions the cache positions (a tensor)
-        n = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
+        n = int(query_length.shape[-1]) if isinstance(query_length, torch.Tensor) else query_length
         return n, 0
 
     def get_max_length(self) -> int:
@@ -142,10 +152,8 @@ class ZipKVCache(Cache):
     def __init__(self, kv: CompressedPagedKVCache, *, max_new_tokens: int | None = None, compress_every: int = 8):
         if not isinstance(kv, CompressedPagedKVCache):
             raise TypeError(f"kv must be a CompressedPagedKVCache, got {type(kv).__name__}")
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
-            raise ValueError(f"max_new_tokens must be None or an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(compress_every, int) or compress_every < 1:
-            raise ValueError(f"compress_every must be an int >= 1, got {compress_every!r}")
+        check_int("max_new_tokens", max_new_tokens, 0, optional=True)
+        check_int("compress_every", compress_every, 1)
         super().__init__(layers=[_ZipKVLayer(self) for _ in range(kv.num_layers)])
         self.kv = kv
         # Positions stored, pads included: what transformers' get_seq_length answers once the prefill ran. A device
@@ -179,19 +187,22 @@ class ZipKVCache(Cache):
         whole heads per rank), and agrees on what fits with the other ranks over ``process_group``: by default the
         model's tensor-parallel group (see :class:`~torch_zipkv.CompressedPagedKVCache`).
         """
-        num_layers, num_kv_heads, head_dim, windows = kv_geometry(model)
+        check_int("batch_size", batch_size, 1)
+        check_int("max_length", max_length, 1, optional=True)
+        check_int("max_new_tokens", max_new_tokens, 0, optional=True)
+        check_int("max_bytes", max_bytes, 1, optional=True)
+        check_int("page_size", page_size)
+        check_int("compress_every", compress_every, 1)
+        if (max_bytes is None) == (max_length is None):
+            raise ValueError(f"give exactly one of max_bytes and max_length, got max_bytes={max_bytes!r}, "
+                             f"max_length={max_length!r}")
+        num_layers, num_kv_heads, head_dim, windows = kv_geometry(model)  # refuses a model the cache cannot serve
+        fmt.check_geometry(page_size, head_dim)  # the model's head_dim passed kv_geometry: this checks page_size
         if process_group is None:
             process_group = tp_group(model)
         if device is None:
             device = next(model.parameters()).device
-        fmt.check_geometry(page_size, head_dim)
-        if (max_bytes is None) == (max_length is None):
-            raise ValueError(f"give exactly one of max_bytes and max_length, got max_bytes={max_bytes!r}, "
-                             f"max_length={max_length!r}")
         if max_length is not None:
-            for name, value in (("batch_size", batch_size), ("max_length", max_length)):
-                if not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
             if max_new_tokens is not None and max_new_tokens > max_length:
                 raise ValueError(f"max_new_tokens ({max_new_tokens}) exceeds max_length ({max_length}), which counts "
                                  "prompt and new tokens")
@@ -202,6 +213,63 @@ class ZipKVCache(Cache):
         kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size, device=device,
                                     sliding_window=windows, process_group=process_group, **kwargs)
         return cls(kv, max_new_tokens=max_new_tokens, compress_every=compress_every)
+
+    def adopt(self, seq_ids, length: int | None = None) -> None:
+        """Make sequences prefilled outside the model this cache's batch, as if a prefill through the model had
+        stored them: ``seq_ids`` are running sequences of :attr:`kv` (``kv.add_sequence``, then ``kv.append`` of each
+        one's real tokens to every layer), row ``i`` of the batch being ``seq_ids[i]``. The next model call is then a
+        decode step (the first one compresses the full pages, as after a prefill), and :meth:`reset` frees them.
+
+        ``length`` is the position count transformers reads (``get_seq_length``), pads included, as a prefill of
+        left-padded prompts leaves it: at least each sequence's length; by default their common length (ValueError
+        if they differ: give the padded length). RuntimeError if the cache holds a batch, or a model call reached it,
+        since the last :meth:`reset`; ValueError for an id that is not a running sequence of :attr:`kv`, an id given
+        twice, or a sequence whose layers hold different numbers of tokens (a prefill fills every layer)."""
+        if self.seq_ids is not None or self.touched:
+            raise RuntimeError("ZipKVCache.adopt: the cache already holds a batch (or a model call reached it); "
+                               "call cache.reset() first")
+        ids = self._adoptable(seq_ids)
+        check_int("length", length, 1, optional=True)
+        lengths = [self._prefilled_length(sid) for sid in ids]
+        if length is None:
+            if len(set(lengths)) > 1:
+                raise ValueError(f"length: the sequences hold different numbers of tokens ({lengths}); give length, "
+                                 "the prompts' padded length as transformers counts positions")
+            length = lengths[0]
+        elif length < max(lengths):
+            raise ValueError(f"length must be at least each sequence's length, got {length} for a sequence of "
+                             f"{max(lengths)} tokens")
+        self.seq_ids = ids
+        self.positions.fill_(length)
+        self.steps, self.step, self.planned, self.touched = 0, None, False, True
+        for layer in self.layers:
+            layer.is_initialized = True
+
+    def _adoptable(self, seq_ids) -> list[int]:
+        """``seq_ids`` as a list: distinct running sequences of :attr:`kv`, at least one."""
+        if is_int(seq_ids) or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids must be a list of ints, got {type(seq_ids).__name__} {seq_ids!r}")
+        ids = list(seq_ids)
+        for sid in ids:
+            if not is_int(sid):
+                raise TypeError(f"seq_ids must be a list of ints, got an entry {type(sid).__name__} {sid!r}")
+        if not ids:
+            raise ValueError("seq_ids must name at least one sequence, got none")
+        running = set(self.kv.seq_ids)
+        for sid in ids:
+            if sid not in running:
+                raise ValueError(f"seq_ids: {sid!r} is not a running sequence of cache.kv (kv.add_sequence)")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids names a sequence more than once: {ids}")
+        return [int(sid) for sid in ids]
+
+    def _prefilled_length(self, seq_id: int) -> int:
+        """Tokens ``seq_id`` holds, the same in every layer (ValueError otherwise, or if it holds none)."""
+        counts = [self.kv.seq_len(layer, seq_id) for layer in range(self.kv.num_layers)]
+        if len(set(counts)) > 1 or counts[0] == 0:
+            raise ValueError(f"seq_ids: sequence {seq_id} holds {counts} tokens in layers 0..{len(counts) - 1}; "
+                             "adopt takes prefilled sequences, the same tokens appended to every layer")
+        return counts[0]
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -256,8 +324,9 @@ class ZipKVCache(Cache):
         raise NotImplementedError("ZipKVCache does not support beam search")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise NotImplementedError("ZipKVCache does not support num_return_sequences > 1 or beam search")
+        if repeats != 1:  # transformers 5.24's num_return_sequences repeats the prompts before the prefill instead
+            raise NotImplementedError("ZipKVCache cannot repeat the rows of a batch it holds (beam search, "
+                                      "contrastive search)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("ZipKVCache does not support selecting batch rows")
@@ -325,12 +394,72 @@ class ZipKVCache(Cache):
 def kv_geometry(model) -> tuple[int, int, int, list[int | None]]:
     """What a KV cache for ``model`` holds on this rank: ``(num_layers, num_kv_heads, head_dim, sliding_window)``,
     from its text config, with this rank's share of the KV heads under tensor parallelism
-    (:func:`~torch_zipkv.distributed.local_kv_heads`) and one sliding window (or None) per layer."""
+    (:func:`~torch_zipkv.distributed.local_kv_heads`) and one sliding window (or None) per layer. ValueError for a
+    model the cache cannot serve (:func:`check_model`)."""
+    check_model(model)
     config = model.config.get_text_config()
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    num_kv_heads = local_kv_heads(model, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
-    return config.num_hidden_layers, num_kv_heads, head_dim, _sliding_windows(config)
+    num_heads, num_kv_heads, head_dim = _heads(config)
+    return config.num_hidden_layers, local_kv_heads(model, num_kv_heads, head_dim), head_dim, _sliding_windows(config)
+
+
+# Layer types (transformers' config.layer_types) whose K/V the paged cache holds; the others keep a state of another
+# shape (linear attention, Mamba, hybrid layers) or attend in a way paged_decode does not (chunked, sparse).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_model(model) -> None:
+    """ValueError "this model type is not supported: <why>" unless the compressed cache can serve ``model``: a
+    decoder-only model whose every layer is (sliding-window) attention, with a GQA group of at most ``MAX_GROUP``
+    query heads per KV head, one ``head_dim`` the format takes for keys and values, and bfloat16 weights. Run by
+    :func:`enable`, :func:`kv_geometry` (so :meth:`ZipKVCache.from_model` and the engine) and :func:`generate`, so
+    such a model is refused before anything runs, not at its first decode step."""
+    why = _unsupported(model)
+    if why is not None:
+        raise ValueError(f"this model type is not supported: {why}")
+
+
+def _unsupported(model) -> str | None:
+    """Why the compressed cache cannot serve ``model`` (a sentence that starts with its ``model_type``), or None."""
+    config = model.config
+    kind = getattr(config, "model_type", None) or type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):  # its decoder's first call would look like a second prefill
+        return (f"{kind} is an encoder-decoder model (config.is_encoder_decoder); the cache serves decoder-only "
+                "models, whose forward is one prefill and then one decode step per token")
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    if not is_int(heads) or heads < 1:
+        return (f"{kind} has no attention heads in its text config (num_attention_heads: {heads!r}); the cache "
+                "holds attention K/V")
+    others = sorted(set(getattr(text, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if others:
+        return f"{kind} has layers of type {others}; the cache holds the K/V of {list(LAYER_TYPES)} layers only"
+    heads, kv_heads, head_dim = _heads(text)
+    if not is_int(kv_heads) or kv_heads < 1 or heads % kv_heads:
+        return f"{kind} has {heads} query heads over {kv_heads!r} KV heads (num_key_value_heads): not whole groups"
+    if heads // kv_heads > MAX_GROUP:  # every decode step's paged_decode would refuse it
+        return (f"{kind} has a GQA group of {heads // kv_heads} query heads per KV head (num_attention_heads="
+                f"{heads}, num_key_value_heads={kv_heads}); paged_decode takes groups of at most {MAX_GROUP}")
+    for name in ("qk_head_dim", "v_head_dim"):  # multi-head latent attention: keys and values of other widths
+        width = getattr(text, name, None)
+        if width is not None and width != head_dim:
+            return (f"{kind} has {name}={width} beside head_dim={head_dim} (multi-head latent attention); the cache "
+                    "holds keys and values of one head_dim")
+    error = fmt.geometry_error(fmt.TILE_TOKENS, head_dim)  # a valid page size: only head_dim can be refused
+    if error is not None:
+        return f"{kind} has head_dim {head_dim}, and the compressed format's {error}"
+    dtype = getattr(model, "dtype", None)
+    if dtype != torch.bfloat16:
+        return (f"{kind} runs in {dtype}; the cache holds bfloat16 K/V (load the model with dtype=torch.bfloat16, "
+                "or call model.bfloat16())")
+    return None
+
+
+def _heads(config) -> tuple[int, int, int]:
+    """``(num_attention_heads, num_key_value_heads, head_dim)`` of a transformers text config, as transformers'
+    attention modules read them: KV heads default to the query heads, head_dim to hidden_size / heads."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
 def _sliding_windows(config) -> list[int | None]:
@@ -410,8 +539,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     """
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError("model must use the 'zipkv' attention: call torch_zipkv.enable(model) first")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_model(model)  # a model loaded with attn_implementation="zipkv" has not been through enable
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("eos_token_id", eos_token_id, 0, optional=True)
+    if cache is not None and not isinstance(cache, ZipKVCache):
+        raise TypeError(f"cache must be a ZipKVCache or None, got {type(cache).__name__}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     batch, length = input_ids.shape
@@ -466,9 +598,11 @@ def cache_kwarg(model) -> str:
 
 
 def enable(model):
-    """Switch ``model`` (a transformers ``PreTrainedModel``) to the "zipkv" attention, in place; returns it."""
-    if not hasattr(model, "set_attn_implementation"):
+    """Switch ``model`` (a transformers ``PreTrainedModel``) to the "zipkv" attention, in place; returns it.
+    ValueError, with the model left as it was, for a model the compressed cache cannot serve (:func:`check_model`)."""
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    check_model(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise RuntimeError(f"{type(model).__name__} kept attn_implementation={model.config._attn_implementation!r}: "
