@@ -28,12 +28,10 @@ class CompressedKV:
     head_dim: int
 
     def __post_init__(self) -> None:
-        for name in ("data", "meta"):
-            if not isinstance(getattr(self, name), torch.Tensor):
-                raise TypeError(f"CompressedKV: {name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
-        for name in ("page_size", "head_dim"):
-            if not is_int(getattr(self, name)):  # a bool is not an int (torch_zipkv.checks)
-                raise TypeError(f"CompressedKV: {name} must be an int, got {type(getattr(self, name)).__name__}")
+        for name, ok, what in (("data", torch.is_tensor, "a torch.Tensor"), ("meta", torch.is_tensor, "a torch.Tensor"),
+                               ("page_size", is_int, "an int"), ("head_dim", is_int, "an int")):  # a bool is no int
+            if not ok(getattr(self, name)):
+                raise TypeError(f"CompressedKV: {name} must be {what}, got {type(getattr(self, name)).__name__}")
         for name, dtype in (("data", torch.uint8), ("meta", torch.int32)):
             if getattr(self, name).dtype != dtype:
                 raise TypeError(f"CompressedKV: {name} must be {dtype}, got {getattr(self, name).dtype}")
