@@ -34,8 +34,8 @@ def main(wheel: str, source: str) -> None:
     import torch_zipkv.integrations.transformers  # noqa: F401
 
     where = pathlib.Path(torch_zipkv.__file__).resolve()
-    if src in where.parents:
-        fail(f"torch_zipkv was imported from the source tree ({where}), not from the installed wheel")
+    if where.parent == src / "torch_zipkv" or "site-packages" not in where.parts:
+        fail(f"torch_zipkv was imported from {where}, not from the installed wheel's site-packages")
 
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(8, 2, 16, 2, 64, generator=gen).to(torch.bfloat16)
