@@ -1,4 +1,4 @@
-"""README.md's Python snippets run as pasted, in order, in one session on a CPU; a snippet that cannot (it needs
+"""README.md's Python snippets run as pasted, in order, in one Python process on a CPU; a snippet that cannot (it needs
 torchrun, a GPU) says so on its first line ("# needs ...")."""
 
 from __future__ import annotations
