@@ -1,5 +1,6 @@
 """bench_e2e.json for people: a plot of decode tokens/s against batch (one line per system, each system's largest
-batch at each KV budget marked) and a markdown table. Kept apart so that the benchmark reads as its measurements.
+batch at each KV budget marked, and dashed, the tokens/s each engine would reach at its floor: the bytes a step reads
+at the device's read rate) and markdown tables. Kept apart so that the benchmark reads as its measurements.
 
     python benchmarks/e2e_report.py benchmarks/results/bench_e2e_h200.json   # writes the .png and .md beside it
 """
@@ -30,6 +31,13 @@ def plot(result: dict, path: pathlib.Path) -> None:
             continue
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], color=color, marker=marker, label=label)
+        floors = {run["batch"]: run["batch"] / run["floor"]["floor_ms_per_step"] * 1e3 for run in result["runs"]
+                  if run["system"] == system and (run.get("floor") or {}).get("floor_ms_per_step")
+                  and "error" not in run}
+        if floors:
+            fx = sorted(floors)
+            ax.plot(fx, [floors[x] for x in fx], color=color, linestyle="--", linewidth=1,
+                    label=f"{label}: at its floor")
         for largest in result["largest_batch"].get(system, {}).values():
             b = largest.get("batch")
             if b in points:
@@ -90,6 +98,26 @@ def markdown(result: dict) -> str:
         over = [r["wall_over_kernel"] for r in mine if "wall_over_kernel" in r]
         cells.append(f"{min(over):.2f}–{max(over):.2f}" if over else "–")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| system | batch | ms/step | floor ms/step | wall / floor | GPU busy / floor | kernels/step |",
+              "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r.get("floor") and r["system"] in STYLE:
+            where = f" (largest, {r['budget']})" if r.get("kind") == "largest" else ""
+            lines.append(f"| {STYLE[r['system']][2]} | {r['batch']}{where} "
+                         f"| {r['wall_ms_per_step']:.2f} | {r['floor']['floor_ms_per_step']:.2f} "
+                         f"| {r['wall_over_floor']:.3f} | {_fmt(r.get('busy_over_floor'), '.3f')} "
+                         f"| {_fmt(r.get('kernels_per_step'))} |")
+    prefills = [r for r in result["runs"] if r.get("kind") == "prefill" and "error" not in r]
+    if prefills:
+        lines += ["", "| system | prefill | prefill tok/s | TTFT, first | TTFT, last |", "|---|---|---|---|---|"]
+        for r in prefills:
+            lines.append(f"| {STYLE[r['system']][2]} | {r['batch']} x {r['prompt_len']} (chunks of "
+                         f"{r['prefill_chunk']}) | {_fmt(r['prefill_tok_s'])} | {min(r['ttft_s']):.3f} s "
+                         f"| {max(r['ttft_s']):.3f} s |")
+    startup = [(j["system"], j["budget"], j["startup_s"]) for j in result.get("jobs", []) if j.get("startup_s")]
+    if startup:
+        lines += ["", "Start-up (model build, engine, compilation and the first graph, to the first decoded token): "
+                  + ", ".join(f"{STYLE[s][2]} @ {b}: {t:.1f} s" for s, b, t in startup)]
     lines += ["", "| bar | target | measured | |", "|---|---|---|---|"]
     for bar in result.get("bars", []):
         met = "" if bar["met"] is None else ("met" if bar["met"] else "**missed**")

@@ -1,10 +1,12 @@
-"""Decode steps replayed as CUDA Graphs: one graph per (batch bucket, page-table width), captured on first use.
+"""Decode steps over padded, static input buffers: one set per (batch bucket, page-table width), replayed as a CUDA
+Graph captured on first use, or run through the compiled forward directly (a compiled engine without graphs, as on
+CPU).
 
-A graph is a capture of the model's eager forward over static input buffers: token ids, positions and a static
-``DecodeStep`` of the cache (``CompressedPagedKVCache.static_step``: ``page_ids``, ``slots``, ``kv_indptr``,
-``kv_indices``, ``kv_last_page_len``), which the forward reads through the cache's own ``step_append`` /
-``step_decode``. Before each replay the step the cache prepared is checked (``check_step``: this cache's, not stale)
-and copied into the buffers (device-to-device copies, no host sync).
+A graph is a capture of the model's decode forward (eager, or ``torch.compile``d) over static input buffers: token
+ids, positions and a static ``DecodeStep`` of the cache (``CompressedPagedKVCache.static_step``: ``page_ids``,
+``slots``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``), which the forward reads through the cache's own
+``step_append`` / ``step_decode``. Before each replay the step the cache prepared is checked (``check_step``: this
+cache's, not stale) and copied into the buffers (device-to-device copies, no host sync).
 
 Padding: a batch of B rows runs in the bucket's Bp >= B rows. A padded row appends its (garbage) K/V to the engine's
 pad page (a page of a one-token sequence the engine keeps for this, so its slots 1.. are never anyone's tokens), each
@@ -13,23 +15,31 @@ it neither writes into a real page nor is read back; its logits are dropped.
 
 ``kv_indices`` is sized to the next power of two of the step's table, so the decode kernel's launch plan (read from
 the shapes) stays close to what the eager step would pick, with few captures.
+
+Compiled: the batch and width dimensions of every buffer are marked dynamic, so one compilation serves every bucket
+and width, and a new (bucket, width) costs a capture, never a recompile. Buckets then start at 2 rows: dynamo
+specializes a dimension of size 1, so a batch-1 bucket would compile a second graph.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
-def bucket_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16, then ``max_batch``: a bucket pads at most 15 rows (one page's slots besides the pad
-    token, so every padded row writes its own slot)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+def bucket_sizes(max_batch: int, smallest: int = 1) -> list[int]:
+    """``smallest`` (1 or 2), 2, 4, 8, then every 16, then ``max_batch``: a bucket pads at most 15 rows (one page's
+    slots besides the pad token, so every padded row writes its own slot)."""
+    sizes = [b for b in (1, 2, 4, 8) if smallest <= b < max_batch]
     sizes += list(range(16, max_batch, 16))
-    return sizes + [max_batch]
+    return sizes + [max(max_batch, smallest)]
 
 
-class _Graph:
-    def __init__(self, kv, batch: int, width: int, pad_page: int):
+class _Buffers:
+    """The static inputs of one (bucket, width), their DecodeStep, and (captured) its graph and output."""
+
+    def __init__(self, kv, batch: int, width: int, pad_page: int, dynamic: bool):
         device, page_size = kv.device, kv.page_size
         i32 = dict(dtype=torch.int32, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -42,20 +52,33 @@ class _Graph:
         self.indptr = torch.zeros(batch + 1, **i32)
         self.indices = torch.zeros(width, **i32)
         self.last = torch.zeros(batch, **i32)
+        if dynamic:
+            for t in (self.ids, self.pos, self.page_ids, self.slots, self.indptr, self.indices, self.last):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
 
 class DecodeGraphs:
-    """Captures and replays the decode steps of the paged cache ``kv``. ``forward(ids [Bp, 1], pos [Bp, 1], step) ->
-    logits [Bp, vocab]`` runs the model once (the engine's eager decode forward) on a DecodeStep of ``kv``."""
+    """Runs the decode steps of the paged cache ``kv`` over padded static buffers. ``forward(ids [Bp, 1], pos [Bp, 1],
+    step) -> logits [Bp, vocab]`` runs the model once (the engine's decode forward) on a DecodeStep of ``kv``.
+    ``capture``: replay CUDA Graphs (else call ``forward`` on the buffers); ``compiled``: ``forward`` is
+    ``torch.compile``d (dynamic buffers, buckets from 2)."""
 
-    def __init__(self, forward, kv, *, max_batch: int, pad_page: int):
+    def __init__(self, forward, kv, *, max_batch: int, pad_page: int, capture: bool, compiled: bool):
         self.forward, self.kv, self.pad_page, self.device = forward, kv, pad_page, kv.device
-        self.buckets = bucket_sizes(max_batch)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.capture, self.compiled = capture, compiled
+        self.buckets = bucket_sizes(max_batch, 2 if compiled else 1)
+        self.buffers: dict[tuple[int, int], _Buffers] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.setup_s = 0.0  # host seconds spent making buffer sets: the compilation and the captures
+
+
+    @property
+    def graphs(self) -> int:
+        """CUDA Graphs captured so far."""
+        return sum(b.graph is not None for b in self.buffers.values())
 
     def bucket(self, batch: int) -> int:
         for b in self.buckets:
@@ -63,29 +86,34 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
 
-    def _capture(self, batch: int, width: int) -> _Graph:
-        g = _Graph(self.kv, batch, width, self.pad_page)
+    def _make(self, batch: int, width: int) -> _Buffers:
+        g = _Buffers(self.kv, batch, width, self.pad_page, self.compiled)
+        if not self.capture:
+            return g
         # Every row is a padded row while capturing: the warm-up run writes only into the pad page.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self.forward(g.ids, g.pos, g.step)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.logits = self.forward(g.ids, g.pos, g.step)
         return g
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, step) -> torch.Tensor:
-        """Replay the decode step of B rows (``ids``, ``pos`` int64 [B]; ``step`` a DecodeStep); returns the
-        logits [B, vocab] (a view of the graph's output, valid until the next replay)."""
+        """Run the decode step of B rows (``ids``, ``pos`` int64 [B]; ``step`` a DecodeStep); returns the logits
+        [B, vocab] (captured: a view of the graph's output, valid until the next replay)."""
         self.kv.check_step(step, "decode graph")
         b = ids.shape[0]
         bp = self.bucket(b)
         n = step.kv_indices.shape[0]
         width = max(16, 1 << (n - 1).bit_length())
-        g = self.graphs.get((bp, width))
+        g = self.buffers.get((bp, width))
         if g is None:
-            g = self.graphs[(bp, width)] = self._capture(bp, width)
+            t = time.perf_counter()
+            g = self.buffers[(bp, width)] = self._make(bp, width)
+            self.setup_s += time.perf_counter() - t
         g.ids[:b, 0].copy_(ids)
         g.pos[:b, 0].copy_(pos)
         g.page_ids[:b].copy_(step.page_ids)
@@ -100,5 +128,7 @@ class DecodeGraphs:
             g.last[b:].zero_()
             g.ids[b:].zero_()
             g.pos[b:].zero_()
+        if g.graph is None:
+            return self.forward(g.ids, g.pos, g.step)[:b]
         g.graph.replay()
         return g.logits[:b]

@@ -15,6 +15,7 @@ from ..cache import CompressedPagedKVCache
 from ..checks import check_int, is_int
 from ..distributed import check_process_group, host_group, tp_group
 from ..integrations.transformers import enable, kv_geometry
+from .fused_projections import fuse_projections as fuse
 from .params import RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .sampling import seed32
@@ -44,6 +45,12 @@ class Engine:
         max_batch: most requests running at once (prefilling or decoding); None: as many as the cache admits.
         prefill_chunk: prompt tokens prefilled per step (over all requests), in chunks of at most this.
         cuda_graphs: replay decode steps as CUDA Graphs (default on CUDA; ignored on CPU).
+        compile: run the decode forward ``torch.compile``d (fullgraph, one compilation for every batch bucket; the
+            zipkv ops trace through their fake kernels), inside the CUDA Graphs when they are on. Default: on CUDA
+            without tensor parallelism. False: the eager forward.
+        fuse_projections: fuse each layer's q/k/v projections into one GEMM and its gate/up projections into another,
+            in the model, in place (:mod:`torch_zipkv.engine.fused_projections`; the memory does not grow). Default:
+            on without tensor parallelism.
         tokenizer: for str prompts and ``RequestOutput.text``.
         page_size: tokens per page (a multiple of 16).
         compress_every: steps between compression rounds.
@@ -55,7 +62,8 @@ class Engine:
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
                  compress: bool = True, max_batch: int | None = None, prefill_chunk: int = 512,
                  cuda_graphs: bool | None = None, tokenizer=None, page_size: int = 16, compress_every: int = 8,
-                 seed: int = 0, kv_chunk_bytes: int | None = None):
+                 seed: int = 0, kv_chunk_bytes: int | None = None, compile: bool | None = None,
+                 fuse_projections: bool | None = None):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         check_int("prefill_chunk", prefill_chunk, 1)
@@ -66,8 +74,9 @@ class Engine:
         check_int("seed", seed)
         if not isinstance(compress, bool):
             raise TypeError(f"compress must be a bool, got {type(compress).__name__}")
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be None or a bool, got {type(cuda_graphs).__name__}")
+        for name, flag in (("cuda_graphs", cuda_graphs), ("compile", compile), ("fuse_projections", fuse_projections)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__}")
         if max_kv_bytes is not None and memory_fraction is not None:
             raise ValueError("give at most one of max_kv_bytes and memory_fraction")
         self.device = next(model.parameters()).device
@@ -96,8 +105,12 @@ class Engine:
                                          device=self.device, sliding_window=windows, process_group=group,
                                          chunk_bytes=kv_chunk_bytes)
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
+        if compile is None:  # compiled tensor-parallel decode is untested on GPUs (no multi-GPU machine ran it)
+            compile = on_cuda and group is None
+        if fuse_projections if fuse_projections is not None else group is None:
+            fuse(self.model)  # a shard's DTensor weights are left as they are
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
-                                  max_batch=max_batch)
+                                  compile=compile, max_batch=max_batch)
         self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
 
@@ -290,7 +303,8 @@ class Engine:
         """``running`` (requests admitted: ``prefilling`` + ``decoding``), ``waiting`` (queue length),
         ``kv_bytes_total`` (the cache's budget: arena + meta), ``kv_bytes_free`` (free chunks), ``kv_bytes_stored`` /
         ``kv_bytes_raw`` (live pages as stored / as BF16), ``kv_ratio``, ``largest_batch`` (decode rows in one step so
-        far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured)."""
+        far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured),
+        ``decode_setup_s`` (seconds spent compiling the decode forward and capturing its graphs)."""
         s = self.kv.stats()
         running = self.scheduler.running
         prefilling = sum(r.state == "prefill" for r in running)
@@ -300,7 +314,8 @@ class Engine:
                 "kv_bytes_free": s["free_chunks"] * s["chunk_bytes"], "kv_bytes_stored": s["stored_bytes"],
                 "kv_bytes_raw": s["raw_bytes"], "kv_ratio": s["ratio"], "largest_batch": self._largest_batch,
                 "steps": self._steps, "generated_tokens": self._generated, "prefilled_tokens": self._prefilled,
-                "cuda_graphs": 0 if graphs is None else len(graphs.graphs)}
+                "cuda_graphs": 0 if graphs is None else graphs.graphs,
+                "decode_setup_s": 0.0 if graphs is None else graphs.setup_s}
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _prompt_list(self, prompt_ids) -> list[int]:

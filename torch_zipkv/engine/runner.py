@@ -1,8 +1,10 @@
-"""The engine's model runner: the model's forwards on the paged cache (chunked prefill, decode steps replayed as CUDA
-Graphs on CUDA), the per-request device tables, sampling on the device, and the read back of sampled tokens one step
-late. It runs what the scheduler decided; it decides nothing."""
+"""The engine's model runner: the model's forwards on the paged cache (chunked prefill; decode steps compiled with
+``torch.compile`` and replayed as CUDA Graphs on CUDA), the per-request device tables, sampling on the device, and the
+read back of sampled tokens one step late. It runs what the scheduler decided; it decides nothing."""
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import torch
@@ -17,6 +19,16 @@ from .scheduler import Request
 _UNLIMITED_BATCH = 1024  # the largest graph bucket when max_batch is None
 
 
+def _own_code(method):
+    """``method`` over a copy of its code object. Dynamo keeps one cache of compiled graphs per code object, at most
+    ``torch._dynamo.config.cache_size_limit`` (8) entries, and each runner's forward guards on its own model and
+    cache: in a process with more engines than that (tests, a notebook) a shared code object would make the later
+    engines fall back to eager, silently. A code object of its own gives every runner its own cache."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
 class ModelRunner:
     """Runs ``model`` (switched to the "zipkv" attention) on the paged cache ``kv``.
 
@@ -24,7 +36,7 @@ class ModelRunner:
     token (the last sampled one), its position, and the sampling parameters. A step's sampling writes the next inputs
     in place, so the host never waits for a token before launching the next step."""
 
-    def __init__(self, model, kv, *, cuda_graphs: bool, max_batch: int | None):
+    def __init__(self, model, kv, *, cuda_graphs: bool, compile: bool, max_batch: int | None):
         self.model, self.kv, self.device = model, kv, kv.device
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
@@ -32,15 +44,20 @@ class ModelRunner:
         self._cache_kw = cache_kwarg(model)
         self._upload = Uploader(self.device)
         self.graphs = None
-        if cuda_graphs:
+        self.compiled = compile
+        if cuda_graphs or compile:
             # A one-token sequence whose page takes the padded rows' writes (slots 1..): never full, never compressed.
             self.pad_seq = kv.add_sequence(prompt_len=1)
             zero = torch.zeros(1, kv.num_kv_heads, kv.head_dim, dtype=torch.bfloat16, device=self.device)
             for layer in range(kv.num_layers):
                 kv.append(layer, self.pad_seq, zero, zero)
             pad_page = int(kv.page_table(0, [self.pad_seq])[1][0])
-            self.graphs = DecodeGraphs(self._decode_forward, kv, max_batch=max_batch or _UNLIMITED_BATCH,
-                                       pad_page=pad_page)
+            # One compilation for every bucket and width (DecodeGraphs marks their dimensions dynamic); the zipkv
+            # ops trace through their fake kernels.
+            forward = torch.compile(_own_code(self._decode_forward), fullgraph=True) if compile else \
+                self._decode_forward
+            self.graphs = DecodeGraphs(forward, kv, max_batch=max_batch or _UNLIMITED_BATCH, pad_page=pad_page,
+                                       capture=cuda_graphs, compiled=compile)
         self._rows = 0
         self._free_rows: list[int] = []
         self._grow_tables(64)
