@@ -1,6 +1,6 @@
-"""The engine's compiled decode forward (``Engine(compile=True)``: ``torch.compile(fullgraph=True)``, one compilation for
-every batch bucket and page-table width, inside the CUDA Graphs on a GPU) and its fused projections: greedy tokens are
-transformers' own up to bf16 ties, and once the first decode step has compiled nothing recompiles."""
+"""The engine's compiled decode forward (``Engine(compile=True)``: ``torch.compile(fullgraph=True)``, one compilation
+for every batch bucket and page-table width, inside the CUDA Graphs on a GPU) and its fused projections: greedy tokens
+are transformers' own up to bf16 ties, and once the first decode step has compiled nothing recompiles."""
 
 from __future__ import annotations
 

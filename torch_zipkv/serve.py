@@ -651,6 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=None, help=f"requests running at once, 1 to {MAX_BATCH}")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="run the decode forward eagerly (compiled by "
+                                                                  "default on CUDA)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     parser.add_argument("--seed", type=int, default=0, help="0 to 2**64 - 1: the synthetic load, arrival times, "
                                                             "and sampling without a request's own seed")
@@ -670,7 +672,8 @@ def build_engine(parser, args, model, tokenizer) -> Engine:
     try:
         return Engine(model, max_kv_bytes=args.max_kv_bytes, memory_fraction=args.memory_fraction,
                       compress=not args.no_compress, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                      cuda_graphs=not args.no_cuda_graphs, tokenizer=tokenizer, seed=args.seed)
+                      cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
+                      tokenizer=tokenizer, seed=args.seed)
     except (ValueError, torch.OutOfMemoryError) as e:
         # Every other argument was checked: what the engine can still refuse is the KV budget, too small for one
         # chunk of this model's pages, or more than the device can allocate.
