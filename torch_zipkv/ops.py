@@ -429,6 +429,6 @@ def _paged_prefill_fake(q, qo_indptr, data, meta, kv_indptr, kv_indices, kv_last
     _check_value(qo_indptr.shape[0] >= 1, op, "qo_indptr", "must have batch + 1 >= 1 entries, got 0")
     batch = qo_indptr.shape[0] - 1
     _check_page_table_and_out(op, q, batch, kv_indptr, kv_indices, kv_last_page_len, out, lse)
-    if data.device.type == "cuda" and q.shape[0] > 0 and q.shape[1] > 0:
+    if data.device.type == "cuda" and q.shape[0] > 0 and q.shape[1] > 0 and batch > 0:
         _check_value((q.shape[0] + batch) * num_kv_heads < 2**31, op, "q's", lambda: f"(nnz_q + batch) x "
                      f"num_kv_heads must be below 2^31, got ({q.shape[0]} + {batch}) x {num_kv_heads}")
