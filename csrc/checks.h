@@ -153,12 +153,10 @@ inline void check_scale_and_cap(const char* op, double sm_scale, double logits_s
                     "log2(e) and sm_scale / cap finite as float32 too, got ", logits_soft_cap);
 }
 
-inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
-                              const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                              const at::Tensor& kv_last_page_len, int64_t page_size, double sm_scale,
-                              const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
-                              double logits_soft_cap) {
-  const char* op = "paged_decode";
+// What paged_decode and paged_prefill check first: the scalars, q [rows, num_qo_heads, head_dim], the storage and
+// the GQA group.
+inline void check_query_and_storage(const char* op, const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
+                                    int64_t page_size, double sm_scale, int64_t window_left, double logits_soft_cap) {
   check_window_left(op, window_left);
   check_scale_and_cap(op, sm_scale, logits_soft_cap);
   const at::Device device = data.device();
@@ -166,21 +164,52 @@ inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const
   check_geometry(op, page_size, q.size(2));
   const int64_t num_kv_heads = meta.dim() == 4 ? meta.size(2) : -1;
   check_storage(op, data, meta, page_size, q.size(2), num_kv_heads);
-  const int64_t batch = q.size(0), num_qo_heads = q.size(1);
-  check_group(op, num_qo_heads, num_kv_heads);
+  check_group(op, q.size(1), num_kv_heads);
+}
+
+// What they check next: the page table of `batch` requests, out (q's shape) and lse (fp32 [rows, num_qo_heads]).
+inline void check_page_table_and_out(const char* op, const at::Tensor& q, int64_t batch, const at::Tensor& kv_indptr,
+                                     const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                                     const at::Tensor& out, const std::optional<at::Tensor>& lse) {
+  const at::Device device = q.device();
+  const int64_t rows = q.size(0), num_qo_heads = q.size(1);
   check_index(op, "kv_indptr", kv_indptr, batch + 1, device);
   check_tensor(kv_indices, op, "kv_indices", at::kInt, 1, device);
   check_index(op, "kv_last_page_len", kv_last_page_len, batch, device);
   check_tensor(out, op, "out", at::kBFloat16, 3, device);
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "zipkv.paged_decode: out must have q's shape ", q.sizes(), ", got ",
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "zipkv.", op, ": out must have q's shape ", q.sizes(), ", got ",
                     out.sizes());
   check_aligned(q, op, "q");
   check_aligned(out, op, "out");
   if (lse.has_value()) {
     check_tensor(*lse, op, "lse", at::kFloat, 2, device);
-    TORCH_CHECK_VALUE(lse->size(0) == batch && lse->size(1) == num_qo_heads, "zipkv.paged_decode: lse must be [", batch,
-                      ", ", num_qo_heads, "], got ", lse->sizes());
+    TORCH_CHECK_VALUE(lse->size(0) == rows && lse->size(1) == num_qo_heads, "zipkv.", op, ": lse must be [", rows, ", ",
+                      num_qo_heads, "], got ", lse->sizes());
   }
+}
+
+inline void check_decode_args(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta,
+                              const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                              const at::Tensor& kv_last_page_len, int64_t page_size, double sm_scale,
+                              const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
+                              double logits_soft_cap) {
+  const char* op = "paged_decode";
+  check_query_and_storage(op, q, data, meta, page_size, sm_scale, window_left, logits_soft_cap);
+  check_page_table_and_out(op, q, q.size(0), kv_indptr, kv_indices, kv_last_page_len, out, lse);
+}
+
+// paged_prefill: q [nnz_q, num_qo_heads, head_dim] with qo_indptr int32 [batch + 1] (request b's query tokens are
+// q[qo_indptr[b]:qo_indptr[b + 1]]), then paged_decode's page table for those batch requests.
+inline void check_prefill_args(const at::Tensor& q, const at::Tensor& qo_indptr, const at::Tensor& data,
+                               const at::Tensor& meta, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                               const at::Tensor& kv_last_page_len, int64_t page_size, double sm_scale,
+                               const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
+                               double logits_soft_cap) {
+  const char* op = "paged_prefill";
+  check_query_and_storage(op, q, data, meta, page_size, sm_scale, window_left, logits_soft_cap);
+  check_tensor(qo_indptr, op, "qo_indptr", at::kInt, 1, data.device());
+  TORCH_CHECK_VALUE(qo_indptr.size(0) >= 1, "zipkv.paged_prefill: qo_indptr must have batch + 1 >= 1 entries, got 0");
+  check_page_table_and_out(op, q, qo_indptr.size(0) - 1, kv_indptr, kv_indices, kv_last_page_len, out, lse);
 }
 
 // decode_plan's arguments (a host query: q and meta are read for their shapes and device only).

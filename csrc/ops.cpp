@@ -61,6 +61,24 @@ TORCH_LIBRARY(zipkv, m) {
       "Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, "
       "int window_left=-1, float logits_soft_cap=0.0) -> ()");
 
+  // Attention of many query tokens per request (chunked prefill, prefill into a non-empty cache, speculative
+  // verification) over the same pages, FlashInfer's BatchPrefillWithPagedKVCacheWrapper conventions.
+  //   q                 bf16  [nnz_q, num_qo_heads, head_dim]
+  //   qo_indptr         int32 [batch + 1]   request b's query tokens are q[qo_indptr[b]:qo_indptr[b+1]];
+  //                                         qo_indptr[0] = 0, qo_indptr[batch] = nnz_q
+  //   data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, window_left, logits_soft_cap
+  //                     as paged_decode; the pages hold the query's own tokens (appended before the call), so
+  //                     q_len <= kv_len, and query token i of request b sits at position kv_len - q_len + i
+  //   out               bf16  [nnz_q, num_qo_heads, head_dim]
+  //   lse               fp32  [nnz_q, num_qo_heads]  optional natural-log sum of exp(scaled logits)
+  //   causal            query token at position p attends to keys at positions <= p; false: to every key
+  // window_left >= 0 keeps keys at positions >= p - window_left (with or without causal). A query row with no key to
+  // attend gets out = 0 and lse = -inf.
+  m.def(
+      "paged_prefill(Tensor q, Tensor qo_indptr, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, "
+      "bool causal=True, int window_left=-1, float logits_soft_cap=0.0) -> ()");
+
   // The launch paged_decode makes on a CUDA device for these shapes, without running it (benchmarks, tests, capacity
   // planning): {num_splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty batch. q and meta as above (only
   // their shapes and device are read); nnz_pages = kv_indices' length. A host query: it is not for compiled graphs.

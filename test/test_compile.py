@@ -21,20 +21,21 @@ class TestSchemas(TestCase):
     def test_schema_snapshot(self):
         """The schemas are public API: changing one must be deliberate (EXPECTTEST_ACCEPT=1 to update)."""
         schemas = "\n".join(str(getattr(torch.ops.zipkv, op).default._schema)
-                            for op in (*STORAGE_OPS, "paged_decode", "decode_plan"))
+                            for op in (*STORAGE_OPS, "paged_decode", "decode_plan", "paged_prefill"))
         self.assertExpectedInline(schemas, """\
 zipkv::compress_pages(Tensor kv, Tensor page_ids, bool allow_compress, Tensor(a!) data, Tensor(b!) meta, Tensor(c!) cursor) -> ()
 zipkv::decompress_pages(Tensor data, Tensor meta, Tensor page_ids, Tensor(a!) out) -> ()
 zipkv::append_kv(Tensor k, Tensor v, Tensor page_ids, Tensor slots, int page_size, Tensor(a!) data, Tensor meta) -> ()
 zipkv::paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, int window_left=-1, float logits_soft_cap=0.) -> ()
-zipkv::decode_plan(Tensor q, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> int[]""")
+zipkv::decode_plan(Tensor q, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> int[]
+zipkv::paged_prefill(Tensor q, Tensor qo_indptr, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, bool causal=True, int window_left=-1, float logits_soft_cap=0.) -> ()""")
 
 
 def test_cuda_kernels_registered():
     """CI builds with ZIPKV_WITH_CUDA=1 and sets ZIPKV_REQUIRE_CUDA_BUILD=1: the .cu files compiled and registered."""
     if os.environ.get("ZIPKV_REQUIRE_CUDA_BUILD") != "1":
         pytest.skip("CPU-only build allowed (set ZIPKV_REQUIRE_CUDA_BUILD=1 to require CUDA kernels)")
-    for op in (*STORAGE_OPS, "paged_decode", "decode_plan"):
+    for op in (*STORAGE_OPS, "paged_decode", "decode_plan", "paged_prefill"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"zipkv::{op}", "CUDA"), op
 
 
@@ -44,6 +45,11 @@ def decode_args(gen, device="cpu"):
     indptr, indices, last = page_table([40, 1], 16, 6, gen)
     q = torch.randn(2, 8, 64, generator=gen).to(torch.bfloat16)
     return kv, ckv, q, indptr, indices, last
+
+
+def prefill_q(gen):
+    """Queries for decode_args' two requests (40 and 1 tokens): 11 and 1 query tokens."""
+    return torch.randn(12, 8, 64, generator=gen).to(torch.bfloat16), torch.tensor([0, 11, 12], dtype=torch.int32)
 
 
 def test_opcheck_every_op(gen):
@@ -61,6 +67,10 @@ def test_opcheck_every_op(gen):
     for lse in (None, torch.empty(2, 8)):
         torch.library.opcheck(z.paged_decode.default, (q, ckv.data, ckv.meta, indptr, indices, last, 16, 0.125,
                                                        torch.empty_like(q), lse))
+    qp, qo = prefill_q(gen)
+    for lse, causal in ((None, True), (torch.empty(12, 8), False)):
+        torch.library.opcheck(z.paged_prefill.default, (qp, qo, ckv.data, ckv.meta, indptr, indices, last, 16, 0.125,
+                                                        torch.empty_like(qp), lse, causal, 20, 0.0))
 
 
 def test_compiled_decode_step_has_no_graph_breaks(gen):
@@ -150,6 +160,18 @@ def bad_calls(gen):
         (3, indptr.long()), (3, indptr[:2]), (4, indices[None]), (5, last[:1]),
         (8, out.float()), (8, out[:, :4].contiguous()), (8, odd(out)), (9, lse.double()), (9, lse[:, :4].contiguous()),
     ]
+    qp, qo = prefill_q(gen)
+    out_p, lse_p = torch.empty_like(qp), torch.empty(12, 8)
+    prefill = (qp, qo, data, meta, indptr, indices, last, 16, 0.125, out_p, lse_p, True, -1, 0.0)
+    prefill_bad = [
+        (12, -2), (13, -1.0), (8, 0.0), (8, float("nan")),  # window_left, logits_soft_cap, sm_scale
+        (0, qp.half()), (0, qp[:, 0].contiguous()), (0, noncontiguous(qp)), (0, odd(qp)),
+        (0, qp[:, :3].contiguous()), (0, qp[..., :32].contiguous()), (7, 24), (3, meta[:, :, :0].contiguous()),
+        (1, qo.long()), (1, qo[None]), (1, qo[:0]), (1, torch.zeros(3, 2, dtype=torch.int32)[:, 0]),
+        (1, qo[:2]),  # batch 1: kv_indptr has 3 entries, not 2
+        (2, data.view(torch.int8)), (4, indptr.long()), (5, indices[None]), (6, last[:1]),
+        (9, out_p.float()), (9, out_p[:6].contiguous()), (9, odd(out_p)), (10, lse_p.double()), (10, lse_p[:11].clone()),
+    ]
     ids = torch.arange(kv.shape[0], dtype=torch.int32)
     storage = torch_zipkv.empty_storage(kv.shape[0], 16, 2, 64)
     compress = (kv, ids, True, *storage)
@@ -166,7 +188,8 @@ def bad_calls(gen):
     append = (tok, tok, ids[:2], ids[:2], 16, data, meta)
     append_bad = [(0, tok.float()), (1, tok[:1]), (1, tok.float()), (4, 24), (2, ids[:1]), (3, ids[:3].long()),
                   (6, meta[..., :1].contiguous())]
-    for op, args, bad in (("paged_decode", decode, decode_bad), ("compress_pages", compress, compress_bad),
+    for op, args, bad in (("paged_decode", decode, decode_bad), ("paged_prefill", prefill, prefill_bad),
+                          ("compress_pages", compress, compress_bad),
                           ("decompress_pages", decompress, decompress_bad), ("append_kv", append, append_bad)):
         for i, value in bad:
             yield op, args, i, value

@@ -216,15 +216,88 @@ def test_one_token_prompts(gen):
     assert cache.stats()["tokens"] == 2 * 2 * (1 + 18)
 
 
-def test_prefill_into_a_non_empty_cache_raises(gen):
-    model = torch_zipkv.enable(small_model("qwen3"))
-    ids, mask, _ = padded_batch(gen, [12, 12], 0)
-    cache = ZipKVCache.from_model(model, batch_size=2, max_length=64, max_new_tokens=8)
-    teacher_forced_logits(model, "zipkv", ids, mask, ids[:, :2], cache)
-    before = cache.stats()
-    with pytest.raises(NotImplementedError, match="non-empty ZipKVCache"):
-        model(input_ids=ids, **{cache_kwarg(model): cache})
-    assert cache.stats()["tokens"] == before["tokens"] and int(cache.get_seq_length()) == 12 + 2
+@torch.no_grad()
+def continued_logits(model, impl: str, ids, mask, forced, more, cache=None) -> torch.Tensor:
+    """:func:`teacher_forced_logits`, then one more model call of ``more`` [B, M] tokens per row into the same cache
+    (a conversation's next turn), then one decode step: the logits of every position of that call and of the step,
+    float [B, T + 1 + M + 1, vocab]."""
+    from transformers import DynamicCache
+
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    first = teacher_forced_logits(model, impl, ids, mask, forced, cache)
+    kw = {cache_kwarg(model): cache}
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], forced.shape[1])], 1)
+    pos = (mask.long().cumsum(-1) - 1)[:, -1:]
+    more_mask = torch.cat([mask, mask.new_ones(mask.shape[0], more.shape[1])], 1)
+    more_pos = pos + 1 + torch.arange(more.shape[1])
+    logits = [model(input_ids=more, attention_mask=more_mask, position_ids=more_pos, **kw).logits]
+    step_mask = torch.cat([more_mask, more_mask.new_ones(mask.shape[0], 1)], 1)
+    logits.append(model(input_ids=more[:, -1:], attention_mask=step_mask, position_ids=more_pos[:, -1:] + 1,
+                        **kw).logits)
+    return torch.cat([first, *logits], 1).float()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+def test_prefill_into_a_non_empty_cache_continues(arch, gen):
+    """A second multi-token call on the same cache (a conversation's next turn: 23 tokens after a left-padded prompt
+    and 5 decode steps, with a 16-token window for the sliding layers, Gemma 2's soft cap) attends to the stored
+    tokens from the pages in place: its logits, and the next decode step's, match transformers' default cache doing
+    the same, within :func:`reference_and_tolerance`'s tolerance."""
+    model = small_model(arch, **({} if arch == "qwen3" else {"sliding_window": 16}))
+    ids, mask, forced = padded_batch(gen, [24, 15], 5)
+    more = torch.randint(0, 512, (2, 23), generator=gen)
+    _, tol = reference_and_tolerance(model, ids, mask, forced)
+    impl = "sdpa" if model._supports_sdpa else "eager"
+    ref = continued_logits(model, impl, ids, mask, forced, more)
+    cache = ZipKVCache.from_model(model, batch_size=2, max_length=64, max_new_tokens=40, page_size=PAGE)
+    got = continued_logits(model, "zipkv", ids, mask, forced, more, cache)
+    err = float((got - ref).abs().max())
+    assert err <= 2 * tol, f"{arch}: zipkv logits off by {err}, tolerance {2 * tol}"
+    assert cache.stats()["tokens"] == 2 * (24 + 15 + 2 * (5 + 23 + 1))  # no pads stored, every new token
+    assert int(cache.get_seq_length()) == 24 + 5 + 23 + 1
+
+
+def test_smollm2_second_generate_continues_the_conversation(smollm2):
+    """A second model.generate on the same ZipKVCache continues the conversation: the first turn's output and the
+    next turn's text are prefilled into the cache that holds the first turn, and the greedy tokens are transformers'
+    default cache doing the same (up to a bf16 tie, as in assert_greedy_generate_matches_default)."""
+    from transformers import DynamicCache
+
+    model, tok = smollm2
+    inp = tok(PROMPTS, return_tensors="pt", padding=True)
+    L = inp.input_ids.shape[1]
+    first = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    more = tok([" Tell me more, in simple words please."] * len(PROMPTS), return_tensors="pt").input_ids
+    second = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+
+    def two_turns(cache):
+        out1 = model.generate(**inp, **{cache_kwarg(model): cache}, **first)
+        ids2 = torch.cat([out1, more], 1)
+        mask2 = torch.cat([inp.attention_mask, torch.ones(len(PROMPTS), ids2.shape[1] - L, dtype=torch.long)], 1)
+        return out1, model.generate(input_ids=ids2, attention_mask=mask2, **{cache_kwarg(model): cache}, **second)
+
+    model.set_attn_implementation("sdpa")
+    ref1, ref2 = two_turns(DynamicCache(config=model.config))
+    cache = zipkv_cache(model, len(PROMPTS), L + 8 + more.shape[1] + 32, 8 + more.shape[1] + 32)
+    torch_zipkv.enable(model)
+    try:
+        got1, got2 = two_turns(cache)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(got1, ref1), "the first turn already departs from the default path"
+    L2 = got1.shape[1] + more.shape[1]
+    ref_logits = torch.stack(ref2.logits, 1).float()
+    matched = 0
+    for b in range(len(PROMPTS)):
+        diff = (got2.sequences[b, L2:] != ref2.sequences[b, L2:]).nonzero()
+        if len(diff):
+            top2 = ref_logits[b, int(diff[0])].topk(2).values
+            assert top2[0] - top2[1] <= bf16_step(top2[1]), f"prompt {b}: token {int(diff[0])} is not a bf16 tie"
+        matched += int(diff[0]) if len(diff) else 32
+    assert matched >= 32, "fewer than 32 tokens in all agreed before a tie"
+    real = int(inp.attention_mask.sum()) + len(PROMPTS) * (8 + more.shape[1] + 31)
+    assert cache.stats()["tokens"] == model.config.num_hidden_layers * real
 
 
 def test_a_batch_that_does_not_fit_leaves_the_cache_empty(gen):

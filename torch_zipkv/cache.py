@@ -397,6 +397,31 @@ class CompressedPagedKVCache:
                                 sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
                                 logits_soft_cap=logits_soft_cap)
 
+    def prefill(self, layer: int, q: torch.Tensor, seq_id: int, *, sm_scale: float | None = None,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                logits_soft_cap: float = 0.0) -> torch.Tensor:
+        """Causal attention of ``q`` (bf16 [n, num_qo_heads, head_dim]), the queries of the last n tokens of ``seq_id``
+        in ``layer`` (appended before the call), over that sequence's pages as they are stored, compressed or raw
+        (the layer's sliding window applied; nothing is decompressed into scratch); see
+        :func:`torch_zipkv.ops.paged_prefill`. Returns bf16 [n, num_qo_heads, head_dim]."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"q must be bfloat16, got {q.dtype}")
+        if q.dim() != 3 or q.shape[2] != self.head_dim or q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"q must be bf16 [n, k * {self.num_kv_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        if q.device != self.device:
+            raise ValueError(f"q must be on {self.device}, got {q.device}")
+        n = q.shape[0]
+        if n > self.seq_len(layer, seq_id):
+            raise ValueError(f"q has {n} query tokens but sequence {seq_id} holds {self.seq_len(layer, seq_id)} in "
+                             f"layer {layer}: append the tokens' K/V first")
+        indptr, indices, last = self.page_table(layer, [seq_id])
+        qo_indptr, = self._upload(np.array([0, n], dtype=np.int32))
+        return ops.paged_prefill(q, qo_indptr, self.data, self.meta(layer), indptr, indices, last, self.page_size,
+                                 sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
+                                 logits_soft_cap=logits_soft_cap)
+
     def prepare_step(self, seq_ids) -> DecodeStep:
         """Prepare one decode step of ``seq_ids`` (one new token each) for every layer at once: new pages open in all
         layers together (one device copy), and the returned :class:`DecodeStep` holds the tensors every layer's

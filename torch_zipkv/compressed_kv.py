@@ -202,6 +202,31 @@ def paged_decode(
                             logits_soft_cap=logits_soft_cap)
 
 
+def paged_prefill(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    ckv: CompressedKV,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of many query tokens per request (q bf16 [nnz_q, num_qo_heads, head_dim], request b's tokens
+    ``q[qo_indptr[b]:qo_indptr[b + 1]]``) over pages of ``ckv`` that already hold them: query token i of a request
+    sits at position kv_len - q_len + i. Returns bf16 [nnz_q, num_qo_heads, head_dim] (see
+    :func:`torch_zipkv.ops.paged_prefill`)."""
+    _require_ckv("paged_prefill", ckv)
+    return ops.paged_prefill(q, qo_indptr, ckv.data, ckv.meta, kv_indptr, kv_indices, kv_last_page_len,
+                             ckv.page_size, causal=causal, sm_scale=sm_scale, out=out, lse=lse,
+                             window_left=window_left, logits_soft_cap=logits_soft_cap)
+
+
 def decode_plan(q: torch.Tensor, ckv: CompressedKV, kv_indices: torch.Tensor, *, window_left: int = -1) -> dict:
     """The launch :func:`paged_decode` would make for ``q`` over ``ckv`` with this page list, on a CUDA device:
     ``{"num_splits", "warps_per_cta", "ctas_per_sm"}`` (see :func:`torch_zipkv.ops.decode_plan`)."""

@@ -203,6 +203,46 @@ def paged_decode(
     return out
 
 
+def paged_prefill(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    data: torch.Tensor,
+    meta: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of many query tokens per request over its pages; returns bf16 [nnz_q, Hq, D] (``out`` if given).
+
+    FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` conventions: request b's query tokens are
+    ``q[qo_indptr[b]:qo_indptr[b + 1]]`` (q bf16 [nnz_q, Hq, D], qo_indptr int32 [batch + 1], from 0 to nnz_q), its
+    keys and values :func:`paged_decode`'s page table. The pages hold the query's own tokens (appended first), so
+    q_len <= kv_len and query token i sits at position ``kv_len - q_len + i``. ``causal`` lets it attend to keys at
+    positions up to its own; ``window_left`` >= 0 to keys at positions >= its own minus ``window_left`` only.
+    ``sm_scale``, ``logits_soft_cap`` and ``lse`` (fp32 [nnz_q, Hq]) as in :func:`paged_decode`.
+    """
+    _check_types("paged_prefill", q=(q, "tensor"), qo_indptr=(qo_indptr, "tensor"), data=(data, "tensor"),
+                 meta=(meta, "tensor"), kv_indptr=(kv_indptr, "tensor"), kv_indices=(kv_indices, "tensor"),
+                 kv_last_page_len=(kv_last_page_len, "tensor"), page_size=(page_size, "int"), causal=(causal, "bool"),
+                 sm_scale=(sm_scale, "float?"), out=(out, "tensor?"), lse=(lse, "tensor?"),
+                 window_left=(window_left, "int"), logits_soft_cap=(logits_soft_cap, "float"))
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0
+    if out is None:
+        out = torch.empty_like(q)
+    zipkv.paged_prefill(q, qo_indptr, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out,
+                        lse, causal, window_left, logits_soft_cap)
+    return out
+
+
 def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: int, *, window_left: int = -1) -> dict:
     """The launch :func:`paged_decode` makes on a CUDA device for these shapes, without running it.
 
@@ -340,29 +380,55 @@ def _append_kv_fake(k, v, page_ids, slots, page_size, data, meta):
     _check_index(op, "slots", slots, k.shape[0], data.device)
 
 
-@torch.library.register_fake("zipkv::paged_decode")
-def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse=None,
-                       window_left=-1, logits_soft_cap=0.0):
-    op = "paged_decode"
+def _check_query_and_storage(op, q, data, meta, page_size, sm_scale, window_left, logits_soft_cap) -> int:
+    """As csrc/checks.h check_query_and_storage; returns meta's kv heads (-1 for meta of the wrong rank)."""
     _check_window_left(op, window_left)
     _check_scale_and_cap(op, sm_scale, logits_soft_cap)
     _check_tensor(q, op, "q", torch.bfloat16, 3, data.device)
     _check_geometry(op, page_size, q.shape[2])
     num_kv_heads = meta.shape[2] if meta.dim() == 4 else -1
     _check_storage(op, data, meta, page_size, q.shape[2], num_kv_heads)
-    batch, num_qo_heads = q.shape[0], q.shape[1]
-    _check_group(op, num_qo_heads, num_kv_heads)
-    _check_index(op, "kv_indptr", kv_indptr, batch + 1, data.device)
-    _check_tensor(kv_indices, op, "kv_indices", torch.int32, 1, data.device)
-    _check_index(op, "kv_last_page_len", kv_last_page_len, batch, data.device)
-    _check_tensor(out, op, "out", torch.bfloat16, 3, data.device)
+    _check_group(op, q.shape[1], num_kv_heads)
+    return num_kv_heads
+
+
+def _check_page_table_and_out(op, q, batch, kv_indptr, kv_indices, kv_last_page_len, out, lse) -> None:
+    """As csrc/checks.h check_page_table_and_out."""
+    rows, num_qo_heads = q.shape[0], q.shape[1]
+    _check_index(op, "kv_indptr", kv_indptr, batch + 1, q.device)
+    _check_tensor(kv_indices, op, "kv_indices", torch.int32, 1, q.device)
+    _check_index(op, "kv_last_page_len", kv_last_page_len, batch, q.device)
+    _check_tensor(out, op, "out", torch.bfloat16, 3, q.device)
     _check_value(out.shape == q.shape, op, "out", lambda: f"must have q's shape {list(q.shape)}, got {list(out.shape)}")
     _check_aligned(q, op, "q")
     _check_aligned(out, op, "out")
     if lse is not None:
-        _check_tensor(lse, op, "lse", torch.float32, 2, data.device)
-        _check_value(lse.shape == (batch, num_qo_heads), op, "lse",
-                     lambda: f"must be [{batch}, {num_qo_heads}], got {list(lse.shape)}")
+        _check_tensor(lse, op, "lse", torch.float32, 2, q.device)
+        _check_value(lse.shape == (rows, num_qo_heads), op, "lse",
+                     lambda: f"must be [{rows}, {num_qo_heads}], got {list(lse.shape)}")
+
+
+@torch.library.register_fake("zipkv::paged_decode")
+def _paged_decode_fake(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse=None,
+                       window_left=-1, logits_soft_cap=0.0):
+    op = "paged_decode"
+    num_kv_heads = _check_query_and_storage(op, q, data, meta, page_size, sm_scale, window_left, logits_soft_cap)
+    batch, num_qo_heads = q.shape[0], q.shape[1]
+    _check_page_table_and_out(op, q, batch, kv_indptr, kv_indices, kv_last_page_len, out, lse)
     if data.device.type == "cuda" and batch > 0 and num_qo_heads > 0:
         _check_value(batch * num_kv_heads * _CUDA_MAX_SPLITS < 2**31, op, "q's", lambda: f"batch x num_kv_heads "
                      f"must be below 2^31 / {_CUDA_MAX_SPLITS}, got {batch} x {num_kv_heads}")
+
+
+@torch.library.register_fake("zipkv::paged_prefill")
+def _paged_prefill_fake(q, qo_indptr, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out,
+                        lse=None, causal=True, window_left=-1, logits_soft_cap=0.0):
+    op = "paged_prefill"
+    num_kv_heads = _check_query_and_storage(op, q, data, meta, page_size, sm_scale, window_left, logits_soft_cap)
+    _check_tensor(qo_indptr, op, "qo_indptr", torch.int32, 1, data.device)
+    _check_value(qo_indptr.shape[0] >= 1, op, "qo_indptr", "must have batch + 1 >= 1 entries, got 0")
+    batch = qo_indptr.shape[0] - 1
+    _check_page_table_and_out(op, q, batch, kv_indptr, kv_indices, kv_last_page_len, out, lse)
+    if data.device.type == "cuda" and q.shape[0] > 0 and q.shape[1] > 0 and batch > 0:
+        _check_value((q.shape[0] + batch) * num_kv_heads < 2**31, op, "q's", lambda: f"(nnz_q + batch) x "
+                     f"num_kv_heads must be below 2^31, got ({q.shape[0]} + {batch}) x {num_kv_heads}")

@@ -1,5 +1,5 @@
-"""Pure-PyTorch oracle: an independent statement of the format (encoder and decoder), and dense float64 decode
-attention. Slow and obviously correct; tests compare the C++/CUDA kernels with it."""
+"""Pure-PyTorch oracle: an independent statement of the format (encoder and decoder), and dense float64 decode and
+prefill attention. Slow and obviously correct; tests compare the C++/CUDA kernels with it."""
 
 from __future__ import annotations
 
@@ -119,4 +119,53 @@ def decode_attention(
         lse[b] = torch.logsumexp(logits, -1)
         probs = torch.where(lse[b].isneginf()[:, None], 0.0, torch.softmax(logits, -1))
         out[b] = torch.einsum("hl,lhd->hd", probs, v)
+    return out, lse
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    sm_scale: float,
+    *,
+    causal: bool = True,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 attention of many query tokens per request (q bf16 [nnz_q, Hq, D], request b's tokens
+    q[qo_indptr[b]:qo_indptr[b + 1]]) over natural pages kv (bf16 [pages, 2, P, H, D]) that hold them: query token i
+    of a request of q_len tokens over kv_len sits at position kv_len - q_len + i. ``causal`` keeps keys at positions
+    <= its own, ``window_left`` >= 0 keys at positions >= its own - window_left. Returns (out float64 [nnz_q, Hq, D],
+    lse float64 [nnz_q, Hq]); a row with no key, or only -inf logits, gets zeros and -inf."""
+    nnz, hq, dim = q.shape
+    heads, page_size = kv.shape[3], kv.shape[2]
+    out = torch.zeros(nnz, hq, dim, dtype=torch.float64)
+    lse = torch.full((nnz, hq), float("-inf"), dtype=torch.float64)
+    for b in range(qo_indptr.numel() - 1):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long().cpu()
+        if q1 == q0:
+            continue
+        length = (pages.numel() - 1) * page_size + int(kv_last_page_len[b])
+        tokens = kv[pages].double().cpu().permute(1, 0, 2, 3, 4).reshape(2, -1, heads, dim)[:, :length]
+        k = tokens[0].repeat_interleave(hq // heads, dim=1)  # [L, Hq, D]
+        v = tokens[1].repeat_interleave(hq // heads, dim=1)
+        logits = torch.einsum("ihd,lhd->hil", q[q0:q1].double().cpu(), k) * sm_scale  # [Hq, q_len, L]
+        if logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        pos = torch.arange(length - (q1 - q0), length)[:, None]
+        key = torch.arange(length)[None, :]
+        keep = torch.ones(q1 - q0, length, dtype=torch.bool)
+        if causal:
+            keep &= key <= pos
+        if window_left >= 0:
+            keep &= key >= pos - window_left
+        logits = logits.masked_fill(~keep, float("-inf"))
+        row_lse = torch.logsumexp(logits, -1)  # [Hq, q_len]
+        probs = torch.where(row_lse.isneginf()[..., None], 0.0, torch.softmax(logits, -1))
+        out[q0:q1] = torch.einsum("hil,lhd->ihd", probs, v)
+        lse[q0:q1] = row_lse.T
     return out, lse

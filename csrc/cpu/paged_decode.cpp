@@ -13,56 +13,18 @@
 namespace zipkv::cpu {
 namespace {
 
-float bf16_to_float(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Decodes stream (page, is_v, head) into vals [page_size][head_dim] as float.
-void decode_stream(const at::Tensor& data, const at::Tensor& meta, int64_t page, int is_v, int head, int P, int D,
-                   float* vals) {
-  const int nb = blocks_per_stream(P, D);
-  int64_t off;
-  int nbytes;
-  const uint8_t* desc = read_stream_or_throw("paged_decode", "its page_size and q.shape[2]", data, meta, page, is_v,
-                                             head, P, D, &off, &nbytes);
-  uint16_t v[kBlockValues];
-  for (int b = 0; b < nb; ++b) {
-    decode_block(data.data_ptr<uint8_t>() + off, desc[b], v);
-    off += block_bytes(desc[b]);
-    const int tok0 = (b / (D / kBlockDims)) * kTileTokens, dim0 = (b % (D / kBlockDims)) * kBlockDims;
-    for (int tok = 0; tok < kTileTokens; ++tok)
-      for (int dim = 0; dim < kBlockDims; ++dim)
-        vals[(tok0 + tok) * D + dim0 + dim] = bf16_to_float(v[position(is_v, tok, dim)]);
-  }
-}
-
 void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta, const at::Tensor& kv_indptr,
                       const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, int64_t page_size,
                       double sm_scale, at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window_left,
                       double logits_soft_cap) {
   check_decode_args(q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse, window_left,
                     logits_soft_cap);
-  const int64_t batch = q.size(0), num_pages = meta.size(0), nnz = kv_indices.size(0);
+  const int64_t batch = q.size(0), num_pages = meta.size(0);
   const int Hq = q.size(1), H = meta.size(2), D = q.size(2), P = page_size, group = Hq / H;
   const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
   const int32_t* indices = kv_indices.data_ptr<int32_t>();
   const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(indptr[0] == 0, "zipkv.paged_decode: kv_indptr[0] must be 0, got ", indptr[0]);
-  // kv_indices may be longer than the table (a buffer of fixed size, so a captured step keeps one shape): entries
-  // from kv_indptr[batch] on are never read.
-  TORCH_CHECK_VALUE(indptr[batch] <= nnz, "zipkv.paged_decode: kv_indptr[", batch, "] = ", indptr[batch],
-                    " exceeds kv_indices.numel() = ", nnz);
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK_VALUE(indptr[b + 1] >= indptr[b], "zipkv.paged_decode: kv_indptr must be non-decreasing, but ",
-                      "kv_indptr[", b + 1, "] = ", indptr[b + 1], " < kv_indptr[", b, "] = ", indptr[b]);
-    TORCH_CHECK_VALUE(indptr[b + 1] == indptr[b] || (last[b] >= 1 && last[b] <= P),
-                      "zipkv.paged_decode: kv_last_page_len[", b, "] = ", last[b], " must be in [1, page_size = ", P,
-                      "]");
-  }
-  for (int64_t i = 0; i < indptr[batch]; ++i) check_page_id("paged_decode", "kv_indices", i, indices[i], num_pages);
+  check_page_table("paged_decode", kv_indptr, kv_indices, kv_last_page_len, P, num_pages);
   const float cap = static_cast<float>(logits_soft_cap), scale = static_cast<float>(sm_scale);
 
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -81,13 +43,13 @@ void paged_decode_cpu(const at::Tensor& q, const at::Tensor& data, const at::Ten
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0);
       // A sliding window starts at token `first`; pages wholly before it are skipped, never decoded.
-      const int64_t tokens = indptr[b + 1] == indptr[b] ? 0 : int64_t{indptr[b + 1] - indptr[b] - 1} * P + last[b];
+      const int64_t tokens = request_tokens(indptr, last, b, P);
       const int64_t first = window_left >= 0 ? std::max<int64_t>(0, tokens - window_left - 1) : 0;
       for (int64_t j = indptr[b] + first / P; j < indptr[b + 1]; ++j) {
         const int len = j + 1 == indptr[b + 1] ? last[b] : P;
         const int lo = j == indptr[b] + first / P ? static_cast<int>(first % P) : 0;
-        decode_stream(data, meta, indices[j], 0, h, P, D, kf.data());
-        decode_stream(data, meta, indices[j], 1, h, P, D, vf.data());
+        decode_stream("paged_decode", data, meta, indices[j], 0, h, P, D, kf.data());
+        decode_stream("paged_decode", data, meta, indices[j], 1, h, P, D, vf.data());
         for (int g = 0; g < group; ++g) {
           float mx = m[g];
           for (int t = lo; t < len; ++t) {

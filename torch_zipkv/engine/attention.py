@@ -7,19 +7,19 @@ hands its work to the ``zipkv_cache`` the cache's ``update`` put in the attentio
 - ``decode``: one token per batch row, through the cache's own decode path (``step_append`` and ``step_decode``, as
   ``ZipKVCache`` does) on the ``DecodeStep`` the engine set: the one ``prepare_step`` made, or a CUDA Graph's static
   step (``CompressedPagedKVCache.static_step``, padded rows included);
-- ``prefill``: one chunk of one request; the chunk's K/V are appended to the request's pages, and the chunk attends
-  to the request's earlier tokens (``gather``: decompressed into scratch, bit-exact) and to itself, causally, with the
-  layer's sliding window, through transformers' SDPA (or an eager attention with Gemma 2's logit soft cap).
+- ``prefill``: one chunk of one request; the chunk's K/V are appended to the request's pages, then the chunk attends
+  to the request's tokens causally, with the layer's sliding window and Gemma 2's logit soft cap, straight from the
+  pages as they are stored (``CompressedPagedKVCache.prefill``, the ``paged_prefill`` op): nothing is decompressed
+  into scratch.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import Cache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..cache import CompressedPagedKVCache, DecodeStep
-from ..integrations.transformers import _PagedLayer, _softcapped_attention, hand_to_attention
+from ..integrations.transformers import _PagedLayer, hand_to_attention
 
 
 class _EngineLayer(_PagedLayer):
@@ -83,25 +83,15 @@ class EngineCache(Cache):
         return self._prefill_chunk(module, layer, query, key, value, scaling, sliding_window, softcap)
 
     def _prefill_chunk(self, module, layer, query, key, value, scaling, window, softcap):
-        kv, sid, start = self.kv, self.seq_id, self.start
+        kv, sid = self.kv, self.seq_id
         if query.shape[0] != 1:
             raise ValueError(f"a prefill chunk is one request, got batch {query.shape[0]}")
-        k_new, v_new = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()  # [C, H, D]
-        first = kv.kept_from(layer, sid)
-        if kv.seq_len(layer, sid) > first:  # earlier tokens: decompressed into scratch (bit-exact BF16)
-            k_old, v_old = kv.gather(layer, sid)
-            keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
-        else:
-            keys, values = k_new, v_new
-        kv.append(layer, sid, k_new, v_new)
-        n = query.shape[2]
-        q_pos = torch.arange(start, start + n, device=query.device)[:, None]
-        k_pos = torch.arange(first, first + keys.shape[0], device=query.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        mask = mask[None, None]  # [1, 1, C, T]: True attends
-        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H, T, D]
-        if softcap is not None:  # SDPA cannot cap logits
-            return _softcapped_attention(query, keys, values, mask, scaling, softcap), None
-        return sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)
+        if kv.seq_len(layer, sid) != self.start:
+            raise RuntimeError(f"the prefill chunk starts at position {self.start}, but sequence {sid} holds "
+                               f"{kv.seq_len(layer, sid)} tokens in layer {layer}")
+        # Append the chunk, then attend to the request's pages in place (earlier chunks compressed or raw, this one
+        # raw): paged_prefill applies the causal mask, the layer's window and the soft cap.
+        kv.append(layer, sid, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        q = query[0].transpose(0, 1).contiguous()  # [C, Hq, D]
+        out = kv.prefill(layer, q, sid, sm_scale=scaling, logits_soft_cap=float(softcap or 0.0))
+        return out[None], None  # [1, C, Hq, D]

@@ -24,6 +24,7 @@ all the work for ``module.layer_idx``:
 
 - prefill (the first call, into an empty cache): append each sequence's real tokens to its pages (pads, read from
   the mask's diagonal, never enter the cache) and attend with transformers' own SDPA over the prompt's K/V and mask;
+  a later multi-token call continues each sequence (below);
 - decode (every later call, one token per sequence): append the new token of every sequence, then ``paged_decode``
   on the compressed pages.
 
@@ -47,9 +48,13 @@ the paged cache with each layer's window from the config, so decode attends to t
 before it are freed at each compression. Attention logit softcapping (Gemma 2): decode passes the cap to
 ``paged_decode``; prefill, which SDPA cannot cap, runs a plain eager attention with the cap.
 
+Prefill into a non-empty cache (a second ``generate`` on the same cache continues the conversation): a model call of
+more than one token per sequence into a cache that holds the batch appends every new token (a continuation has no
+padding) and attends with ``paged_prefill`` to each sequence's stored tokens, read from the pages in place.
+
 ``num_return_sequences > 1`` works: ``generate`` repeats the prompts before the prefill (size the cache for the
-repeated batch). Not supported yet (each raises ``NotImplementedError``): prefill into a non-empty cache (chunked
-prefill, continuing a conversation, assisted decoding) and beam search.
+repeated batch). Not supported yet (each raises ``NotImplementedError``): assisted decoding (it crops the cache) and
+beam search.
 """
 
 from __future__ import annotations
@@ -171,6 +176,7 @@ class ZipKVCache(Cache):
         self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step)
         self.planned = False  # begin_step ran for the coming decode step: the model call is a decode step
         self.touched = False  # a model call reached layer 0's update since the last reset
+        self.continuing = False  # this model call prefills more tokens into the sequences the cache holds
 
     @classmethod
     def from_model(cls, model, *, batch_size: int = 1, max_length: int | None = None,
@@ -281,10 +287,16 @@ class ZipKVCache(Cache):
                 raise RuntimeError(
                     "ZipKVCache holds no sequences after a prefill: the model's attention implementation is not "
                     "'zipkv' (call torch_zipkv.enable(model), or load it with attn_implementation='zipkv')")
-            if self.seq_ids is not None and key_states.shape[-2] > 1:  # refused before anything changes
-                raise NotImplementedError(
-                    "'zipkv' prefill into a non-empty ZipKVCache (chunked prefill, a continued conversation, "
-                    "assisted decoding) is not supported; call cache.reset() first")
+            if self.seq_ids is not None and key_states.shape[-2] > 1:
+                if self.planned:  # refused before anything changes
+                    raise RuntimeError(f"ZipKVCache: begin_step planned a decode step, but the model call brings "
+                                       f"{key_states.shape[-2]} tokens per sequence")
+                if key_states.shape[0] != len(self.seq_ids):
+                    raise ValueError(f"a prefill into the non-empty ZipKVCache has batch {key_states.shape[0]}, the "
+                                     f"cache holds {len(self.seq_ids)} sequences")
+            # More than one token per sequence into a cache that holds the batch: a prefill that continues each
+            # sequence (a conversation's next turn), for every layer of this call.
+            self.continuing = self.seq_ids is not None and key_states.shape[-2] > 1
             self.touched = True
             self.positions.add_(key_states.shape[-2])
             if self.seq_ids is not None and key_states.shape[-2] == 1 and not self.planned:
@@ -313,7 +325,7 @@ class ZipKVCache(Cache):
             self.kv.free_sequence(sid)
         self.seq_ids = self.step = None
         self.steps = 0
-        self.planned = self.touched = False
+        self.planned = self.touched = self.continuing = False
         self.positions.zero_()
         super().reset()
 
@@ -354,6 +366,8 @@ class ZipKVCache(Cache):
             # The paged cache frees what lies before its window: it must be the model's, or decode would be wrong.
             raise ValueError(f"layer {layer} attends with sliding_window={sliding_window}, but the cache was built "
                              f"with {self.kv.sliding_window[layer]}; build it with ZipKVCache.from_model(model, ...)")
+        if self.continuing:
+            return self._prefill_more(layer, query, key, value, scaling, softcap)
         if not self.planned:  # a prefill (begin_step plans every decode step): prompts of any length, one included
             self._prefill(layer, key, value, attention_mask)
             if softcap is not None:  # SDPA cannot cap logits
@@ -389,6 +403,20 @@ class ZipKVCache(Cache):
             keep = real[row]
             # [H, L, D] -> [n, H, D], real tokens only
             self.kv.append(layer, sid, key[row][:, keep].transpose(0, 1), value[row][:, keep].transpose(0, 1))
+
+
+    def _prefill_more(self, layer: int, query, key, value, scaling: float, softcap) -> tuple[torch.Tensor, None]:
+        """A prefill into sequences the cache holds: every new token of each row is appended (a continuation has no
+        padding: its rows' pads were left out at the first prefill), then the new tokens attend causally to the
+        sequence's stored tokens and to each other, read from the pages in place (``paged_prefill``)."""
+        if query.shape[0] != len(self.seq_ids):
+            raise ValueError(f"query has batch {query.shape[0]}, the cache holds {len(self.seq_ids)} sequences")
+        outs = []
+        for row, sid in enumerate(self.seq_ids):
+            self.kv.append(layer, sid, key[row].transpose(0, 1), value[row].transpose(0, 1))
+            outs.append(self.kv.prefill(layer, query[row].transpose(0, 1).contiguous(), sid, sm_scale=scaling,
+                                        logits_soft_cap=float(softcap or 0.0)))
+        return torch.stack(outs), None  # [B, n, Hq, D]
 
 
 def kv_geometry(model) -> tuple[int, int, int, list[int | None]]:

@@ -1,0 +1,435 @@
+// The kernel of zipkv::paged_prefill: attention of many query tokens per request over compressed and raw pages.
+//
+// Prefill is compute-bound, so the KV is rebuilt once per CTA into BF16 shared memory and read from there by the
+// ordinary ldmatrix + mma.sync path (the answer FlashInfer gave for FP8 KV: rebuilding per fragment inside the MMA
+// loop made its FP8 prefill slower than BF16). Nothing is decompressed to global memory.
+//
+// Work split: one CTA per (tile of a request's query tokens, kv head). The M dimension packs the tile's query tokens
+// times the GQA group's heads (row r = token r / group, head r % group), 16 rows per warp, 4 warps: so each K/V chunk
+// is read from global memory once for every query token and head of the group. That is what a speculative
+// verification (q_len 2-8) needs, being memory-bound; chunked prefill gets 64-row tiles.
+// The grid comes from shapes alone (nnz_q, batch, kv heads): request b has ceil(q_len / T) tiles (T = 64 / group
+// tokens), at most nnz_q / T + batch in all; each CTA finds its (request, tile) by a scan of qo_indptr and CTAs past
+// the last tile exit. So the op never syncs and a CUDA Graph replays it with any q lengths of the same nnz_q.
+//
+// Per chunk of kKV key tokens (a whole number of 16-token tiles): each warp starts cp.async copies of its blocks,
+// still compressed, into a staging area; the copies of chunk i + 1 fly while chunk i is multiplied. Then each warp
+// rebuilds its staged blocks into bf16 (block_io.cuh decode_lane: the lane's words in mma A-operand order) and
+// stmatrix puts them in natural [token][dim] order into the K and V tiles. S = Q K^T and O += P V follow
+// FlashAttention-2: Q fragments by ldmatrix, K fragments by ldmatrix, V by ldmatrix.trans, P from S's accumulators in
+// registers, an online softmax in float32 (base 2) per row.
+//
+// Bad device contents cannot raise without a host sync (paged_decode.cuh): a page id out of range, a meta row that
+// is missing, of another geometry or version, an invalid descriptor, a stream past the end of data, or an
+// inconsistent page-table entry (indptr, last_page_len, qo_indptr, q_len > kv_len) turn the request's rows of out
+// and lse into NaN; no byte outside data is read.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "../format.h"
+#include "block_io.cuh"
+
+namespace zipkv::cuda::prefill {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16 * kWarps;  // M rows of a CTA: query tokens x GQA heads
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr uint8_t kDescSkip = 0xFE;  // a tile outside the CTA's keys: zeros, never read
+constexpr uint8_t kDescBad = 0xFF;   // a refused block: zeros, and the request becomes NaN
+
+struct Params {
+  const uint16_t* q;          // [nnz_q, Hq, D]
+  const int32_t* qo_indptr;   // [batch + 1]
+  const uint8_t* data;        // [data_bytes]
+  const int32_t* meta;        // [num_pages, 2, H, words]
+  const int32_t* kv_indptr;   // [batch + 1]
+  const int32_t* kv_indices;  // [nnz_kv]
+  const int32_t* kv_last;     // [batch]
+  uint16_t* out;              // [nnz_q, Hq, D]
+  float* lse;                 // [nnz_q, Hq] or nullptr, natural log
+  int64_t data_bytes, num_pages, nnz_kv;
+  int nnz_q, batch, Hq, H, group, page_size, words;
+  int tile_tokens;  // query tokens per CTA: kRows / group
+  int causal, window_left;
+  float scale_log2;           // sm_scale * log2(e)
+  float cap_log2, scale_cap;  // soft cap (cap_log2 > 0): cap * log2(e), sm_scale / cap
+};
+
+template <int D>
+struct Cfg {
+  static constexpr int kKV = D == 256 ? 32 : 64;  // key tokens per chunk (d 256: registers and shared memory)
+  static constexpr int kTiles = kKV / kTileTokens;
+  static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
+  static constexpr int kBlocks = 2 * kTiles * kSpans;  // blocks per chunk
+  static constexpr int kStride = D + 8;                // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
+  static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
+  static constexpr int kQBytes = kRows * kStride * 2;
+  static constexpr int kKVBytes = kKV * kStride * 2;
+  static constexpr int kDescBytes = (kBlocks + 15) / 16 * 16;
+  static constexpr int kSmemBytes = kStageBytes + kQBytes + 2 * kKVBytes + kDescBytes;
+  static_assert(kBlocks % kWarps == 0, "the warps share a chunk's blocks evenly");
+  static_assert(kSmemBytes <= 113 * 1024, "two CTAs fit on an SM");
+};
+
+// ---------------------------------------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// d += A * B, m16n8k16, bf16 in, fp32 accumulate (lane = 4 g + t; A rows g, g + 8; d[0..1] row g, d[2..3] row g + 8,
+// columns 2t, 2t + 1).
+__device__ __forceinline__ void mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------------------------- KV chunk
+// Starts the copies of block j of the chunk at key token c0 (still in the format) into its 1 KB of staging, and
+// records its descriptor (kDescSkip past the CTA's keys, kDescBad for a refused block). Every lane computes the same
+// address; each copies its 16 positions: 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
+template <int D>
+__device__ __forceinline__ void issue_block(const Params& p, int head, int kv_first_page, int64_t c0, int64_t hi, int j,
+                                            uint8_t* stage, uint8_t* descs, int lane) {
+  using C = Cfg<D>;
+  const int tile = j / (2 * C::kSpans), is_v = (j / C::kSpans) % 2, span = j % C::kSpans;
+  const int64_t tok = c0 + int64_t{tile} * kTileTokens;
+  uint8_t desc = kDescSkip;
+  if (tok < hi) {
+    desc = kDescBad;
+    const int32_t page = __ldg(p.kv_indices + kv_first_page + tok / p.page_size);
+    if (page >= 0 && page < p.num_pages) {
+      const int32_t* row = p.meta + ((int64_t{page} * 2 + is_v) * p.H + head) * p.words;
+      int64_t start;
+      int nbytes;
+      if (read_stream(row, p.page_size, D, p.data_bytes, &start, &nbytes) == kStreamOk) {
+        const int b = static_cast<int>(tok % p.page_size) / kTileTokens * C::kSpans + span;
+        const uint8_t* d = row_descriptors(row);
+        desc = d[b];
+        const uint8_t* src = p.data + start + block_offset(d, b);
+        uint8_t* dst = stage + j * kRawBlockBytes;
+        cp_async16(dst + 16 * lane, src + 16 * lane);
+        if (desc == kDescRaw) {
+          cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
+        } else {
+          cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
+        }
+      }
+    }
+  }
+  if (lane == 0) descs[j] = desc;
+}
+
+// Rebuilds staged block j into bf16 in the K or V tile ([kKV][kStride], natural order): the lane's 8 words in
+// position order (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix
+// (block_io.cuh fragment_row_word, with the tile's row stride). Values of tokens at or past kv_len are zeroed in V (an
+// open page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is 0).
+template <int D>
+__device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
+                                              const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
+  using C = Cfg<D>;
+  const int tile = j / (2 * C::kSpans), is_v = (j / C::kSpans) % 2, span = j % C::kSpans;
+  const uint8_t desc = descs[j];
+  const uint8_t* src = stage + j * kRawBlockBytes;
+  uint32_t w[8];
+  if (desc == kDescSkip || desc == kDescBad) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) w[m] = 0;
+  } else if (desc == kDescRaw) {
+    const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+  } else {
+    decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
+                *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
+  }
+  uint16_t* base = (is_v ? vs : ks) + tile * kTileTokens * C::kStride + span * kBlockDims;
+  uint32_t* words = reinterpret_cast<uint32_t*>(base);
+  constexpr int kRowWords = C::kStride / 2;
+  const int m = lane / 8, r = lane % 8;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int word = is_v ? (8 * (m / 2) + r) * kRowWords + 4 * (2 * c + m % 2)
+                          : (8 * (m % 2) + r) * kRowWords + 4 * (2 * c + m / 2);
+    const uint32_t a = smem_u32(words + word);
+    if (is_v) {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
+                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+                   : "memory");
+    } else {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
+                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+                   : "memory");
+    }
+  }
+  const int64_t tok = c0 + int64_t{tile} * kTileTokens;
+  if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
+    __syncwarp();
+    const int valid = static_cast<int>(kv_len - tok);  // in [1, 16): the tile holds kv_len's last tokens
+    // 16 rows x 4 pieces of 16 bytes; lane k zeroes pieces k and k + 32 where their row is past kv_len.
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int piece = lane + 32 * k, row = piece / 4;
+      if (row >= valid) *reinterpret_cast<uint4*>(base + row * C::kStride + (piece % 4) * 8) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  return desc == kDescBad;
+}
+
+// ---------------------------------------------------------------------------------------------- the kernel
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params p) {
+  using C = Cfg<D>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* stage = smem;
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kStageBytes);
+  uint16_t* ks = qs + kRows * C::kStride;
+  uint16_t* vs = ks + C::kKV * C::kStride;
+  uint8_t* descs = reinterpret_cast<uint8_t*>(vs + C::kKV * C::kStride);
+  __shared__ int s_request, s_tile, s_bad;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int head = blockIdx.y;  // kv head
+  const int T = p.tile_tokens, group = p.group;
+  const int* qo = p.qo_indptr;
+
+  // Which (request, tile) this CTA is: request b owns ceil(q_len_b / T) consecutive CTAs (a prefix sum over the
+  // batch, 32 requests per step of warp 0). Within a request the last tiles come first: under a causal mask they see
+  // the most keys, and the CTAs that start first should take them.
+  if (warp == 0) {
+    int64_t base = 0;
+    int found = -1, tile = 0;
+    for (int b0 = 0; b0 < p.batch && found < 0; b0 += 32) {
+      const int b = b0 + lane;
+      int64_t n = 0;
+      if (b < p.batch) {
+        const int64_t q_len = min(max(int64_t{__ldg(qo + b + 1)} - __ldg(qo + b), int64_t{0}), int64_t{p.nnz_q});
+        n = (q_len + T - 1) / T;
+      }
+      int64_t incl = n;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int64_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const int64_t excl = base + incl - n;
+      const unsigned mine = __ballot_sync(0xFFFFFFFFu, n > 0 && blockIdx.x >= excl && blockIdx.x < excl + n);
+      if (mine) {
+        const int src = __ffs(mine) - 1;
+        const int64_t first = __shfl_sync(0xFFFFFFFFu, excl, src), count = __shfl_sync(0xFFFFFFFFu, n, src);
+        found = b0 + src;
+        tile = static_cast<int>(count - 1 - (blockIdx.x - first));
+      }
+      base += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    }
+    if (lane == 0) s_request = found, s_tile = tile, s_bad = 0;
+  }
+  __syncthreads();
+  const int b = s_request;
+  if (b < 0) return;  // past the last tile
+
+  // The request's page-table entries; an inconsistent one poisons its rows.
+  const int q_begin = __ldg(qo + b), q_end = __ldg(qo + b + 1);
+  const int kp0 = __ldg(p.kv_indptr + b), kp1 = __ldg(p.kv_indptr + b + 1), last = __ldg(p.kv_last + b);
+  const int64_t kv_len = kp1 > kp0 ? int64_t{kp1 - kp0 - 1} * p.page_size + last : 0;
+  const int64_t q_len = int64_t{q_end} - q_begin;
+  const bool bad_request = __ldg(qo) != 0 || __ldg(qo + p.batch) != p.nnz_q || q_begin < 0 || q_end > p.nnz_q ||
+                           __ldg(p.kv_indptr) != 0 || kp0 < 0 || kp1 < kp0 || kp1 > p.nnz_kv ||
+                           (kp1 > kp0 && (last < 1 || last > p.page_size)) || q_len > kv_len;
+  const int t0 = s_tile * T;                                     // the tile's first query token, request-relative
+  const int nt = static_cast<int>(min(int64_t{T}, q_len - t0));  // its query tokens
+  const int rows = nt * group;
+
+  // Q tile into shared memory (padding rows zero), 16 bytes per thread and step.
+  constexpr int kPieces = D / 8;
+  for (int i = threadIdx.x; i < kRows * kPieces; i += kThreads) {
+    const int r = i / kPieces, piece = i % kPieces;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows && !bad_request) {
+      const int64_t qrow = (int64_t{q_begin} + t0 + r / group) * p.Hq + head * group + r % group;
+      v = __ldg(reinterpret_cast<const uint4*>(p.q + qrow * D) + piece);
+    }
+    *reinterpret_cast<uint4*>(qs + r * C::kStride + piece * 8) = v;
+  }
+
+  // The keys the tile's rows see: [lo, hi). Pages wholly outside are never read.
+  const int64_t pos0 = kv_len - q_len + t0;  // position of the tile's first query token
+  const int64_t hi = bad_request ? 0 : p.causal ? min(kv_len, pos0 + nt) : kv_len;
+  const int64_t lo = p.window_left >= 0 ? max(int64_t{0}, pos0 - p.window_left) : 0;
+  const int64_t c_first = lo / kTileTokens * kTileTokens;
+  const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
+
+  // The warp's rows: positions of its two rows per lane (g and g + 8), and whether any of its rows is real.
+  const bool warp_active = warp * 16 < rows;
+  int64_t pos_row[2];
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) pos_row[h2] = pos0 + (warp * 16 + g + 8 * h2) / group;
+
+  constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
+  constexpr int kON = D / 8;       // O n-tiles of 8 dims
+  float o[kON][4];
+#pragma unroll
+  for (int n = 0; n < kON; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  bool refused = false;
+
+  if (chunks > 0) {
+    for (int j = warp; j < C::kBlocks; j += kWarps) issue_block<D>(p, head, kp0, c_first, hi, j, stage, descs, lane);
+    cp_async_commit();
+  }
+  for (int ci = 0; ci < chunks; ++ci) {
+    const int64_t c0 = c_first + int64_t{ci} * C::kKV;
+    cp_async_wait0();
+    __syncthreads();  // chunk ci staged (all warps' copies), and the K/V tiles free (chunk ci - 1 multiplied)
+    for (int j = warp; j < C::kBlocks; j += kWarps)
+      refused |= rebuild_block<D>(j, c0, kv_len, stage, descs, ks, vs, lane);
+    __syncthreads();  // K/V tiles of chunk ci complete; the staging area free
+    if (ci + 1 < chunks) {
+      for (int j = warp; j < C::kBlocks; j += kWarps)
+        issue_block<D>(p, head, kp0, c0 + C::kKV, hi, j, stage, descs, lane);
+      cp_async_commit();
+    }
+    if (!warp_active) continue;
+
+    // S = Q K^T over the chunk's keys.
+    float s[kSN][4];
+#pragma unroll
+    for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      uint32_t a[4];
+      ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + k * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int n = 0; n < kSN / 2; ++n) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
+        mma(s[2 * n], a, bk[0], bk[1]);
+        mma(s[2 * n + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // Logits in base 2, masked; online softmax per row (a lane holds 2 rows, the 4 lanes of a quad share them).
+    float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = c0 + n * 8 + 2 * t + (e % 2), pos = pos_row[e / 2];
+        float x = p.cap_log2 > 0.f ? p.cap_log2 * tanh_approx(s[n][e] * p.scale_cap) : s[n][e] * p.scale_log2;
+        const bool keep =
+            key < kv_len && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
+        x = keep ? x : -INFINITY;
+        s[n][e] = x;
+        mx[e / 2] = fmaxf(mx[e / 2], x);
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
+      mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
+      // A max of -inf means nothing to weigh yet: weigh against 0 (exp2(-inf - 0) = 0, -inf - -inf would be NaN).
+      m_use[h2] = mx[h2] == -INFINITY ? 0.f : mx[h2];
+      alpha[h2] = m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - m_use[h2]);
+      m_run[h2] = mx[h2];
+      l_run[h2] *= alpha[h2];
+    }
+#pragma unroll
+    for (int n = 0; n < kON; ++n) {
+      o[n][0] *= alpha[0], o[n][1] *= alpha[0], o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = exp2_approx(s[n][e] - m_use[e / 2]);
+        l_run[e / 2] += s[n][e];
+      }
+    }
+
+    // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
+#pragma unroll
+    for (int kk = 0; kk < C::kKV / 16; ++kk) {
+      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < D / 16; ++n) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + n * 16 + (lane / 16) * 8);
+        mma(o[2 * n], a, bv[0], bv[1]);
+        mma(o[2 * n + 1], a, bv[2], bv[3]);
+      }
+    }
+  }
+  if (refused) atomicOr(&s_bad, 1);
+  __syncthreads();
+  const bool poisoned = bad_request || s_bad != 0;
+  if (!warp_active) return;
+
+  const float nan = __int_as_float(0x7FFFFFFF);
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    float l = l_run[h2];
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+    const int r = warp * 16 + g + 8 * h2;
+    // A bad request's rows: those of the tile inside q (its q range may itself be the inconsistent entry).
+    const int64_t token = int64_t{q_begin} + t0 + r / group;
+    if (r >= rows || token < 0 || token >= p.nnz_q) continue;
+    const int64_t qrow = token * p.Hq + head * group + r % group;
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + qrow * D);
+#pragma unroll
+    for (int n = 0; n < kON; ++n) {
+      const float x = poisoned ? nan : o[n][2 * h2] * inv, y = poisoned ? nan : o[n][2 * h2 + 1] * inv;
+      dst[n * 4 + t] = pack_bf16(x, y);
+    }
+    if (p.lse != nullptr && t == 0)
+      p.lse[qrow] = poisoned ? nan : l == 0.f ? -INFINITY : (m_run[h2] + log2f(l)) / kLog2e;
+  }
+}
+
+template <int D>
+void launch(const Params& p, int64_t ctas, cudaStream_t stream);
+
+}  // namespace zipkv::cuda::prefill

@@ -1,0 +1,6 @@
+// zipkv::paged_prefill CUDA kernel for head_dim 128 (one file per head_dim, as FlashAttention does).
+#include "paged_prefill_launch.cuh"
+
+namespace zipkv::cuda::prefill {
+ZIPKV_INSTANTIATE_PREFILL(128)
+}  // namespace zipkv::cuda::prefill

@@ -1,0 +1,25 @@
+// Launch of the prefill kernel for one head_dim; included by the per-head_dim instantiation files
+// (paged_prefill_hd64.cu, ...), one per entry of format.h's ZIPKV_FOR_EACH_HEAD_DIM, so that they compile in parallel.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+
+#include "paged_prefill.cuh"
+#include "smem_limit.cuh"
+
+namespace zipkv::cuda::prefill {
+
+template <int D>
+void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
+  static SmemFlags done{};
+  set_smem_limit(paged_prefill_kernel<D>, Cfg<D>::kSmemBytes, done);
+  const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(p.H));
+  paged_prefill_kernel<D><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#define ZIPKV_INSTANTIATE_PREFILL(D)                                                                     \
+  static_assert(::zipkv::head_dim_supported(D), "format.h's ZIPKV_FOR_EACH_HEAD_DIM does not list " #D); \
+  template void launch<D>(const Params& p, int64_t ctas, cudaStream_t stream);
+
+}  // namespace zipkv::cuda::prefill

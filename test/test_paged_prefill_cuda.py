@@ -1,0 +1,199 @@
+"""GPU box: the CUDA paged_prefill against the float64 reference and the CPU kernel, on random and real KV, mixed
+raw/compressed pages, every head_dim and GQA group, q lengths 1 to 1024 (q_len = kv_len included), causal or not,
+windows, soft cap, larger pages; speculative verification against successive CUDA decodes; CUDA Graph replay with
+other q lengths of the same nnz_q; bad device contents (which poison only their own request, as NaN). Skipped without
+a GPU."""
+
+import math
+
+import pytest
+import torch
+
+import torch_zipkv
+from torch_zipkv import format as fmt, reference
+
+from conftest import capture_graph, random_kv, rel_err, requires_cuda, spread_layers, with_zeros
+from test_paged_prefill import prefill_case, random_q_lens, speculative_against_decodes
+
+pytestmark = requires_cuda
+
+
+def to_cuda(ckv):
+    return torch_zipkv.CompressedKV(ckv.data.cuda(), ckv.meta.cuda(), ckv.page_size, ckv.head_dim)
+
+
+def prefill_all(kv, raw_pages, kv_lens, q_lens, num_qo_heads, gen, scale=None, q=None, **kw):
+    """CUDA and CPU paged_prefill of the same storage and the float64 reference:
+    (gpu out, gpu lse, cpu out, ref, ref lse), on the host."""
+    ckv, qo, table, q = prefill_case(kv, raw_pages, kv_lens, q_lens, num_qo_heads, gen, q)
+    scale = scale or 1 / math.sqrt(kv.shape[-1])
+    lse = torch.empty(q.shape[0], num_qo_heads, device="cuda")
+    out = torch_zipkv.paged_prefill(q.cuda(), qo.cuda(), to_cuda(ckv), *(t.cuda() for t in table), sm_scale=scale,
+                                    lse=lse, **kw)
+    cpu = torch_zipkv.paged_prefill(q, qo, ckv, *table, sm_scale=scale, **kw)
+    ref, ref_lse = reference.prefill_attention(q, qo, kv, *table, scale, **kw)
+    return out.cpu(), lse.cpu(), cpu, ref, ref_lse
+
+
+def check(out, lse, cpu, ref, ref_lse, tol=1e-2):
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < tol
+    assert rel_err(out, cpu.double()) < tol
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 12, 16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_matches_reference_and_cpu_mixed_pages(gen, head_dim, group, causal):
+    heads = 2
+    kv = with_zeros(random_kv(60, 16, heads, head_dim, gen), gen)
+    raw_pages = torch.rand(60, generator=gen) < 0.4
+    kv_lens = [100, 1, 16, 17, 250, 45, 300]
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, raw_pages, kv_lens, random_q_lens(kv_lens, gen), heads * group,
+                                              gen, causal=causal)
+    check(out, lse, cpu, ref, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)
+@pytest.mark.parametrize("q_len, kv_len", [(1024, 1024), (512, 2048), (1000, 1037), (77, 3000)])
+def test_long_queries(gen, head_dim, q_len, kv_len):
+    """Whole prompts (q_len = kv_len), chunks after earlier chunks, a short chunk over a long context."""
+    n = (kv_len + 15) // 16
+    kv = with_zeros(random_kv(n, 16, 2, head_dim, gen), gen)
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(n, generator=gen) < 0.3, [kv_len], [q_len], 8, gen)
+    check(out, lse, cpu, ref, ref_lse)
+
+
+@pytest.mark.parametrize("window_left", [0, 5, 15, 16, 40, 300, 5000])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_window(gen, window_left, causal):
+    kv = random_kv(80, 16, 2, 128, gen)
+    kv_lens = [1000, 17, 1, 200]
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(80, generator=gen) < 0.4, kv_lens,
+                                              random_q_lens(kv_lens, gen), 8, gen, window_left=window_left,
+                                              causal=causal)
+    check(out, lse, cpu, ref, ref_lse)
+
+
+@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
+def test_logits_soft_cap(gen, cap):
+    kv = random_kv(50, 16, 2, 256, gen, scale=3.0)
+    kv_lens = [600, 33, 7]
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, None, kv_lens, random_q_lens(kv_lens, gen), 4, gen, scale=0.5,
+                                              logits_soft_cap=cap, window_left=100)
+    check(out, lse, cpu, ref, ref_lse)
+
+
+@pytest.mark.parametrize("page_size, head_dim", [(32, 64), (64, 128), (128, 256), (48, 64)])
+def test_larger_pages(gen, page_size, head_dim):
+    """Tiles past the first of a page find their blocks after the raw blocks before them in the meta row."""
+    kv = with_zeros(random_kv(12, page_size, 2, head_dim, gen), gen, rate=2e-3)
+    kv_lens = [3 * page_size, page_size + 3, 1, 2 * page_size - 5]
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(12, generator=gen) < 0.3, kv_lens,
+                                              random_q_lens(kv_lens, gen), 6, gen)
+    check(out, lse, cpu, ref, ref_lse)
+
+
+def test_requests_without_queries_or_pages(gen):
+    kv = random_kv(8, 16, 1, 64, gen)
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, None, [40, 20, 0, 30], [5, 0, 0, 30], 2, gen)
+    check(out, lse, cpu, ref, ref_lse)
+
+
+def test_real_kv_mixed_pages(real_kv, gen):
+    """SmolLM2's shape (9 query heads, 3 kv heads, d 64) on its real KV, real-scale queries (its K vectors)."""
+    for layer in spread_layers(real_kv):
+        kv = real_kv[layer]
+        n = kv.shape[0]
+        kv_lens, q_lens = [1200, 333, 400, 64], [512, 333, 8, 2]
+        q = kv[torch.randint(0, n, (sum(q_lens),), generator=gen), 0, 3].repeat_interleave(3, dim=1)
+        out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(n, generator=gen) < 0.3, kv_lens, q_lens, 9, gen,
+                                                  q=q)
+        check(out, lse, cpu, ref, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (128, 1), (64, 3), (256, 8), (128, 16)])
+def test_speculative_verification_matches_successive_decodes(gen, head_dim, group):
+    """q_len 2-8 per request (speculative verification) in one paged_prefill agrees at bf16 accuracy with q_len
+    single-token CUDA paged_decode calls, and both with the float64 reference."""
+    kv = with_zeros(random_kv(400, 16, 2, head_dim, gen), gen)
+    kv_lens = [1000, 37, 900, 16, 1500, 300, 8, 2000]
+    q_lens = [2, 8, 5, 3, 4, 6, 7, 8]
+    prefill, decoded, q, qo, table = speculative_against_decodes(kv, torch.rand(400, generator=gen) < 0.3, kv_lens,
+                                                                 q_lens, 2 * group, gen, device="cuda")
+    assert not prefill.isnan().any()
+    assert rel_err(prefill, decoded.double()) < 1e-2
+    ref, _ = reference.prefill_attention(q, qo, kv, *table, 1 / math.sqrt(head_dim))
+    assert rel_err(prefill, ref) < 1e-2 and rel_err(decoded, ref) < 1e-2
+
+
+def test_cuda_graph_replay_takes_other_q_lengths(gen):
+    """The launch comes from shapes alone: a graph captured with one split of nnz_q into requests replays another
+    (qo_indptr's contents changed in place) and gives eager's bits."""
+    P, H, D = 16, 2, 128
+    kv = with_zeros(random_kv(200, P, H, D, gen), gen)
+    ckv, qo, table, q = prefill_case(kv, torch.rand(200, generator=gen) < 0.3, [1000, 700, 900], [100, 30, 70], 8,
+                                     gen)
+    gpu, table = to_cuda(ckv), tuple(t.cuda() for t in table)
+    q, qo = q.cuda(), qo.cuda()
+    out, lse = torch.empty_like(q), torch.empty(q.shape[0], 8, device="cuda")
+
+    def step():
+        torch_zipkv.paged_prefill(q, qo, gpu, *table, out=out, lse=lse)
+
+    graph = capture_graph(step)
+    for lens in ([100, 30, 70], [1, 1, 198], [199, 0, 1], [66, 67, 67]):
+        qo.copy_(torch.tensor([0, *lens]).cumsum(0))
+        q.copy_(torch.randn(q.shape, generator=gen))
+        graph.replay()
+        got, got_lse = out.clone(), lse.clone()
+        step()
+        assert torch.equal(got.view(torch.int16), out.view(torch.int16)) and torch.equal(got_lse, lse)
+        ref, _ = reference.prefill_attention(q.cpu(), qo.cpu(), kv, *(t.cpu() for t in table), 1 / math.sqrt(D))
+        assert rel_err(got.cpu(), ref) < 1e-2
+
+
+def test_bad_device_contents_poison_only_their_request(gen):
+    """CUDA cannot raise on device contents without a sync: a bad page id, a corrupt meta row, an inconsistent page
+    table or q_len > kv_len give NaN rows for the request that has them, never an out-of-bounds read; the other
+    requests' rows are untouched."""
+    P, H, D = 16, 1, 64
+    kv = random_kv(12, P, H, D, gen).cuda()
+    ckv = torch_zipkv.compress(kv)
+    indptr = torch.tensor([0, 2, 4, 6, 8, 10, 12], dtype=torch.int32, device="cuda")
+    indices = torch.arange(12, dtype=torch.int32, device="cuda")
+    last = torch.full((6,), 16, dtype=torch.int32, device="cuda")
+    qo = torch.tensor([0, 4, 8, 12, 16, 20, 24], dtype=torch.int32, device="cuda")
+    q = torch.randn(24, 2, D, generator=gen).to(torch.bfloat16).cuda()
+    good = torch_zipkv.paged_prefill(q, qo, ckv, indptr, indices, last)
+    meta = ckv.meta.clone()
+    meta[2, 0, 0, 2] = 0x000000FF  # request 1: descriptor 0xFF (invalid) in its first page's K row
+    meta[5, 1, 0, 0] = 10**8       # request 2: V stream far past the end of data
+    meta[6, 0, 0, 0] = -1          # request 3: no stream
+    bad_indices = indices.clone()
+    bad_indices[9] = 12            # request 4: page id out of range
+    bad_last = last.clone()
+    bad_last[5] = 0                # request 5: last page length outside [1, page_size]
+    lse = torch.empty(24, 2, device="cuda")
+    out = torch_zipkv.paged_prefill(q, qo, torch_zipkv.CompressedKV(ckv.data, meta, P, D), indptr, bad_indices,
+                                    bad_last, lse=lse)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:4].view(torch.int16), good[:4].view(torch.int16))
+    assert out[4:].isnan().all() and lse[4:].isnan().all()
+    # More query tokens than the request's pages hold (q_len > kv_len) poisons that request only.
+    long_qo = torch.tensor([0, 20, 21, 22, 23, 24, 24], dtype=torch.int32, device="cuda")  # request 0: 20 of 32
+    fine = torch_zipkv.paged_prefill(q, long_qo, ckv, indptr, indices, last)
+    tiny = last.clone()
+    tiny[0] = 1  # request 0 holds 17 tokens for its 20 queries
+    out = torch_zipkv.paged_prefill(q, long_qo, ckv, indptr, indices, tiny)
+    assert not fine.isnan().any() and out[:20].isnan().all()
+    assert torch.equal(out[20:].view(torch.int16), fine[20:].view(torch.int16))
+
+
+def test_opcheck_paged_prefill_cuda(gen):
+    kv = random_kv(6, 16, 2, 64, gen)
+    ckv, qo, table, q = prefill_case(kv, None, [30, 50], [7, 50], 4, gen)
+    args = (q.cuda(), qo.cuda(), ckv.data.cuda(), ckv.meta.cuda(), *(t.cuda() for t in table), 16, 0.125,
+            torch.empty_like(q).cuda(), torch.empty(57, 4, device="cuda"), True, -1, 0.0)
+    torch.library.opcheck(torch.ops.zipkv.paged_prefill.default, args)
