@@ -4,9 +4,12 @@ How it is put together:
 - A page holds ``page_size`` tokens. A page id names the same token range of a sequence in every layer, so one page
   table serves all layers of a decode step. Each layer has its own meta tensor ``[max_pages, 2, H, W]`` (a view of one
   ``[layers, ...]`` tensor) whose rows point into the shared arena ``data``.
-- This class keeps the sequences (page ids, lengths, budgets, sliding windows) and the accounting, and composes the
-  parts that have state and rules of their own:
+- This class keeps the rules (budgets, windows, what fits) and the accounting, and composes the parts that have
+  state and rules of their own:
 
+  - ``page_pool.py`` (:class:`~torch_zipkv.page_pool.PagePool`, host only): the sequences, their page ids and who
+    holds each page; the prefix cache (full pages found by a chained key of their tokens, shared by reference
+    count, kept until their room is needed).
   - ``arena.py`` (:class:`~torch_zipkv.arena.Arena`, host only): where every page's bytes live (chunks, slots,
     packed runs) and the promises that let an admitted sequence always grow to its budget.
   - ``page_store.py`` (:class:`~torch_zipkv.page_store.PageStore`): ``data`` and the meta rows on the device, and
@@ -44,7 +47,7 @@ import torch
 from . import format as fmt
 from . import ops
 from .arena import Arena
-from .checks import check_int, is_int
+from .checks import check_int, check_windows, is_int
 from .compression_rounds import CompressionRounds
 from .distributed import all_min, check_process_group
 from .page_pool import PagePool
@@ -140,7 +143,7 @@ class CompressedPagedKVCache:
         check_int("page_size", page_size)
         check_int("head_dim", head_dim)
         fmt.check_geometry(page_size, head_dim)
-        self.sliding_window: list[int | None] = self._windows(sliding_window, num_layers)
+        self.sliding_window: list[int | None] = check_windows(sliding_window, num_layers)
         self.process_group = check_process_group(process_group)  # None unless there are other ranks to agree with
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,26 +203,6 @@ class CompressedPagedKVCache:
         self._generation = StepGeneration(self)  # the decode steps prepared since the sequences or pages last changed
 
     @staticmethod
-    def _windows(sliding_window, num_layers: int) -> list[int | None]:
-        """``sliding_window`` as one entry per layer, checked."""
-        expected = f"sliding_window must be None, an int >= 1, or one such entry per layer ({num_layers})"
-        if sliding_window is None or is_int(sliding_window):
-            windows = [sliding_window] * num_layers
-        else:
-            try:
-                windows = list(sliding_window)
-            except TypeError:
-                raise TypeError(f"{expected}, got {type(sliding_window).__name__} {sliding_window!r}") from None
-        if len(windows) != num_layers:
-            raise ValueError(f"{expected}, got {sliding_window!r}")
-        for w in windows:
-            if w is not None and not is_int(w):
-                raise TypeError(f"{expected}, got an entry {type(w).__name__} {w!r}")
-            if w is not None and w < 1:
-                raise ValueError(f"{expected}, got {sliding_window!r}")
-        return [None if w is None else int(w) for w in windows]
-
-    @staticmethod
     def raw_sizing(num_layers: int, num_kv_heads: int, head_dim: int, *, batch_size: int, max_length: int,
                    page_size: int = 16) -> dict[str, int]:
         """The inverse of the constructor's sizing: ``max_bytes``, ``chunk_bytes`` and ``max_pages`` for a cache that
@@ -265,7 +248,7 @@ class CompressedPagedKVCache:
             check_int(name, value, 0)
         prompt_len, max_new_tokens = int(prompt_len), int(max_new_tokens)
         budget = -(-(prompt_len + max_new_tokens) // self.page_size)
-        prefix = self._check_prefix(prefix, budget)
+        prefix = self._pool.check_prefix(prefix, budget)
         private = budget - len(prefix)
         pages, ids = self._room(evict=True, keep=prefix)
         if private > min(pages, ids):
@@ -314,38 +297,13 @@ class CompressedPagedKVCache:
         skipped. Returns how many pages became cached. A cached page stays when its holders end, until its room is
         needed."""
         seq = self._seq(seq_id)
-        keys = list(keys)
-        for key in keys:
-            if not isinstance(key, bytes):
-                raise TypeError(f"keys must hold bytes (page_hashes), got {type(key).__name__}")
-        n = min(len(keys), seq.num_ids, int(self._pool.len[seq.row].min()) // self.page_size)
-        pages = seq.pages[:n]
-        whole = (self._arena.offset[:, pages] >= 0).all(0).nonzero()[0]
-        return self._pool.register(pages[whole].tolist(), [keys[j] for j in whole.tolist()])
-
-    def _check_prefix(self, prefix, budget: int) -> np.ndarray:
-        try:
-            ids = list(prefix)
-        except TypeError:
-            raise TypeError(f"prefix must be a sequence of page ids, got {type(prefix).__name__}") from None
-        for p in ids:
-            if not is_int(p):
-                raise TypeError(f"prefix must hold page ids (ints), got {type(p).__name__} {p!r}")
-            if int(p) not in self._pool.key_of:
-                raise ValueError(f"prefix page {p!r} is not a cached page of this cache (match_prefix finds them)")
-        if len(set(ids)) != len(ids) or len(ids) > budget:
-            raise ValueError(f"prefix must name distinct cached pages, at most the budget's {budget}, got {ids}")
-        return np.array(ids, dtype=np.int32)
+        pages = seq.pages[: min(seq.num_ids, int(self._pool.len[seq.row].min()) // self.page_size)]
+        return self._pool.register(seq, keys, whole=(self._arena.offset[:, pages] >= 0).all(0))
 
     def _present(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(layers, pages) of page ``ids`` where they have bytes."""
         layers, at = (self._arena.offset[:, ids] >= 0).nonzero()
         return layers, ids[at]
-
-    def _room_after_evicting(self, ids: np.ndarray) -> int:
-        """What :meth:`_room` gives in raw pages on this rank once the cached pages ``ids`` are evicted."""
-        zero = np.zeros(self.num_layers, dtype=np.int64)
-        return self._arena.max_new_pages(zero, *self._arena.after_release(*self._present(ids)))
 
     def _evict_for(self, pages: int, keep: np.ndarray) -> None:
         """Evict the fewest least recently used cached pages nobody holds (but ``keep``) that leave room to promise
@@ -354,13 +312,9 @@ class CompressedPagedKVCache:
         lru = self._pool.lru(keep.tolist())
         if not len(lru):
             return
-        k = max(0, pages - (len(self._pool.free_ids) - self._pool.reserved_ids))  # for the ids
-        if self._arena.max_new_pages(np.zeros(self.num_layers, dtype=np.int64)) < pages:
-            lo, hi = 1, len(lru)  # room grows with every page evicted: the least k that makes room
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if self._room_after_evicting(lru[:mid]) >= pages else (mid + 1, hi)
-            k = max(k, lo)
+        zero = np.zeros(self.num_layers, dtype=np.int64)
+        k = self._pool.fewest_to_evict(lru, pages, lambda ids: self._arena.max_new_pages(
+            zero, *self._arena.after_release(*self._present(ids))))  # this rank's room once ids are evicted
         if self.process_group is not None:
             k = -self._agree([-k])[0]
         if k:
@@ -578,26 +532,12 @@ class CompressedPagedKVCache:
     def _free_out_of_window(self) -> None:
         """Free, in every sliding-window layer, each sequence's pages that end before its window: the decode of this
         and every later step attends to the last ``window`` tokens only and skips them."""
-        if not len(self._windowed) or not self._pool.seqs:
-            return
-        seqs = list(self._pool.seqs.values())
-        rows = np.array([s.row for s in seqs])
-        keep = np.maximum(0, self._pool.len[rows][:, self._windowed] - self._window_tokens) // self.page_size
-        dropped = self._pool.dropped[rows][:, self._windowed]
-        todo = np.argwhere(keep > dropped)  # a pair turns up once every page_size steps
-        if not len(todo):
-            return
-        layers, pids = [], []
-        for i, w in todo.tolist():
-            layer, pages = int(self._windowed[w]), seqs[i].pages[dropped[i, w]: keep[i, w]]
-            pages = pages[self._pool.private(pages)]  # a shared or cached page stays whole for the others
+        freed = self._pool.leave_windows(self._windowed, self._window_tokens, self.page_size)
+        for layer, pages in freed:
             self._forget_pages(layer, pages)
-            layers.append(np.full(len(pages), layer))
-            pids.append(pages)
-            self._pool.dropped[rows[i], layer] = keep[i, w]
-        # A freed page fails loudly if anything reads it.
-        self._store.forget_rows(self._store.rows(np.concatenate(layers), np.concatenate(pids)),
-                                self._arena.take_dirty())
+        if freed:  # a freed page fails loudly if anything reads it
+            layers, pids = (np.concatenate(x) for x in zip(*((np.full(len(p), layer), p) for layer, p in freed)))
+            self._store.forget_rows(self._store.rows(layers, pids), self._arena.take_dirty())
 
     def compact(self) -> int:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
@@ -630,16 +570,7 @@ class CompressedPagedKVCache:
         Bytes that compression will free later are never promised."""
         for name, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("reserve", reserve)):
             check_int(name, value, 0)
-        extra, extra_ids = np.zeros(self.num_layers, dtype=np.int64), 0
-        if reserve and self._pool.seqs:
-            seqs = list(self._pool.seqs.values())
-            lens = self._pool.len[[s.row for s in seqs]]
-            budget = np.array([s.budget for s in seqs])[:, None]
-            want = -(-(lens + reserve) // self.page_size)
-            extra = np.maximum(0, want - np.maximum(-(-lens // self.page_size), budget)).sum(0)
-            have_ids = np.maximum([s.num_ids for s in seqs], budget[:, 0])
-            extra_ids = int(np.maximum(0, want.max(1) - have_ids).sum())
-        pages = min(self._room(extra, extra_ids, evict=True))
+        pages = min(self._room(*self._pool.growth(reserve, self.page_size), evict=True))
         per_request = -(-(prompt_len + max_new_tokens) // self.page_size)
         return Capacity(pages=pages, tokens=pages * self.page_size,
                         requests=pages // per_request if per_request else 0)
@@ -654,10 +585,7 @@ class CompressedPagedKVCache:
         ``evictable_pages``; and ``layers``, one dict per layer (``waiting_full_pages``: full pages not yet
         compressed; ``compressing_pages``: compressed by ``compress_full_pages(wait=False)``, not yet placed)."""
         a = self._arena
-        rows = [s.row for s in self._pool.seqs.values()]
-        tokens = np.zeros(self.num_layers, dtype=np.int64)  # stored: a sliding window's freed pages are gone
-        if rows:
-            tokens = (self._pool.len[rows] - self._pool.dropped[rows] * self.page_size).sum(0)
+        tokens = self._pool.tokens(self.page_size)  # stored: a sliding window's freed pages are gone
         layers = []
         for layer in range(self.num_layers):
             live = a.offset[layer] >= 0
@@ -676,17 +604,9 @@ class CompressedPagedKVCache:
             "ratio": stored / raw if raw else 1.0,
             "meta_bytes": self._store.meta.numel() * 4, "num_chunks": a.num_chunks, "free_chunks": len(a.pool),
             "chunk_bytes": self.chunk_bytes, "fragmentation": 1 - stored / owned if owned else 0.0,
-            "sequences": len(self._pool.seqs), "free_page_ids": len(self._pool.free_ids), **self._prefix_stats(),
-            "layers": layers}
-
-    def _prefix_stats(self) -> dict:
-        pool = self._pool
-        out = {}
-        for what, ids in (("cached", list(pool.key_of)), ("shared", (pool.refs > 1).nonzero()[0]),
-                          ("evictable", list(pool.evictable))):
-            out[f"{what}_bytes"] = int(self._arena.nbytes[:, ids].sum()) if len(ids) else 0
-            out[f"{what}_pages"] = len(ids)
-        return out
+            "sequences": len(self._pool.seqs), "free_page_ids": len(self._pool.free_ids),
+            **{f"{what}_bytes": int(a.nbytes[:, ids].sum()) for what, ids in self._pool.prefix_pages().items()},
+            **{f"{what}_pages": len(ids) for what, ids in self._pool.prefix_pages().items()}, "layers": layers}
 
     def _room(self, extra: np.ndarray | None = None, extra_ids: int = 0, *, evict: bool = False,
               keep: np.ndarray = ()) -> tuple[int, int]:

@@ -165,13 +165,60 @@ class PagePool:
             if j < s.budget:
                 self.reserved_ids -= 1
 
-    def private(self, pages: np.ndarray) -> np.ndarray:
-        """Which of ``pages`` (held) one sequence alone holds and no one may find: those a sliding window may free in
-        one layer (a shared or cached page must stay whole for its other holders and finders)."""
-        return (self.refs[pages] == 1) & np.fromiter((p not in self.key_of for p in pages.tolist()), dtype=bool,
-                                                     count=len(pages))
+    def leave_windows(self, layers: np.ndarray, windows: np.ndarray, page_size: int) -> list[tuple[int, np.ndarray]]:
+        """In each sliding-window layer of ``layers`` (attending to its last ``windows`` tokens), each sequence's pages
+        that end before its window are no longer its own (``dropped``): returns the ``(layer, pages)`` to free there,
+        those the sequence alone holds and no one may find (a shared or cached page stays whole for the others)."""
+        if not len(layers) or not self.seqs:
+            return []
+        seqs = list(self.seqs.values())
+        rows = np.array([s.row for s in seqs])
+        keep = np.maximum(0, self.len[rows][:, layers] - windows) // page_size
+        dropped = self.dropped[rows][:, layers]
+        out = []
+        for i, w in np.argwhere(keep > dropped).tolist():  # a pair turns up once every page_size steps
+            pages = seqs[i].pages[dropped[i, w]: keep[i, w]]
+            private = np.fromiter((p not in self.key_of for p in pages.tolist()), dtype=bool, count=len(pages))
+            out.append((int(layers[w]), pages[private & (self.refs[pages] == 1)]))
+            self.dropped[rows[i], layers[w]] = keep[i, w]
+        return out
+
+    def growth(self, reserve: int, page_size: int) -> tuple[np.ndarray, int]:
+        """Raw pages per layer [layers] and page ids that the running sequences need to grow ``reserve`` tokens
+        each beyond their pages and budgets."""
+        extra, extra_ids = np.zeros(self.len.shape[1], dtype=np.int64), 0
+        if reserve and self.seqs:
+            seqs = list(self.seqs.values())
+            lens = self.len[[s.row for s in seqs]]
+            budget = np.array([s.budget for s in seqs])[:, None]
+            want = -(-(lens + reserve) // page_size)
+            extra = np.maximum(0, want - np.maximum(-(-lens // page_size), budget)).sum(0)
+            have_ids = np.maximum([s.num_ids for s in seqs], budget[:, 0])
+            extra_ids = int(np.maximum(0, want.max(1) - have_ids).sum())
+        return extra, extra_ids
+
+    def tokens(self, page_size: int) -> np.ndarray:
+        """Tokens the running sequences keep, per layer [layers] (a sliding window's freed pages are gone)."""
+        rows = [s.row for s in self.seqs.values()]
+        return (self.len[rows] - self.dropped[rows] * page_size).sum(0)
 
     # ---- the prefix cache ----------------------------------------------------------------------------------------
+    def check_prefix(self, prefix, budget: int) -> np.ndarray:
+        """``prefix`` (a sequence's first pages, for :meth:`add`) as int32 page ids, checked: distinct cached pages,
+        at most ``budget`` of them."""
+        try:
+            ids = list(prefix)
+        except TypeError:
+            raise TypeError(f"prefix must be a sequence of page ids, got {type(prefix).__name__}") from None
+        for p in ids:
+            if not is_int(p):
+                raise TypeError(f"prefix must hold page ids (ints), got {type(p).__name__} {p!r}")
+            if int(p) not in self.key_of:
+                raise ValueError(f"prefix page {p!r} is not a cached page of this cache (match_prefix finds them)")
+        if len(set(ids)) != len(ids) or len(ids) > budget:
+            raise ValueError(f"prefix must name distinct cached pages, at most the budget's {budget}, got {ids}")
+        return np.array(ids, dtype=np.int32)
+
     def match(self, keys: Iterable[bytes]) -> list[int]:
         """The cached pages of the longest run of ``keys`` from the first."""
         pages = []
@@ -182,16 +229,34 @@ class PagePool:
             pages.append(p)
         return pages
 
-    def register(self, pages: Sequence[int], keys: Sequence[bytes]) -> int:
-        """Cache ``pages[i]`` under ``keys[i]`` (full and present in every layer, held): skipped where the page is
-        cached already or another page holds the key (the first stays). Returns how many were cached."""
+    def register(self, seq: Seq, keys: Iterable[bytes], whole: np.ndarray) -> int:
+        """Cache page j of ``seq`` under ``keys[j]`` where ``whole[j]`` (full and present in every layer; pages past
+        ``whole`` are not): skipped where the page is cached already or another page holds the key (the first
+        stays). Returns how many were cached."""
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, bytes):
+                raise TypeError(f"keys must hold bytes (page_hashes), got {type(key).__name__}")
         added = 0
-        for p, key in zip(pages, keys):
-            if p in self.key_of or key in self.page_of:
+        for p, key, ok in zip(seq.pages.tolist(), keys, whole.tolist()):
+            if not ok or p in self.key_of or key in self.page_of:
                 continue
             self.key_of[p], self.page_of[key] = key, p
             added += 1
         return added
+
+    def fewest_to_evict(self, lru: np.ndarray, pages: int, room_after) -> int:
+        """The fewest of ``lru`` (from the first) whose eviction leaves room to promise ``pages`` more page ids and,
+        by ``room_after(ids)`` (raw pages every layer could take once ``ids`` are evicted), ``pages`` more pages;
+        evicting all of them must."""
+        k = max(0, pages - (len(self.free_ids) - self.reserved_ids))  # for the ids
+        if room_after(lru[:0]) < pages:
+            lo, hi = 1, len(lru)  # room grows with every page evicted: binary search
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if room_after(lru[:mid]) >= pages else (mid + 1, hi)
+            k = max(k, lo)
+        return k
 
     def lru(self, keep: Iterable[int] = ()) -> np.ndarray:
         """The evictable pages, least recently used first, but those of ``keep``."""
@@ -206,6 +271,8 @@ class PagePool:
             del self.page_of[self.key_of.pop(p)]
         self.free_ids.extend(pages.tolist())
 
-    def counts(self) -> dict:
-        """Page ids: ``cached`` (findable), ``shared`` (held by two sequences or more), ``evictable``."""
-        return {"cached": len(self.key_of), "shared": int((self.refs > 1).sum()), "evictable": len(self.evictable)}
+    def prefix_pages(self) -> dict[str, np.ndarray]:
+        """Page ids ``cached`` (findable), ``shared`` (held by two sequences or more), ``evictable`` (cached, held by
+        none)."""
+        return {"cached": np.fromiter(self.key_of, dtype=np.int64), "shared": (self.refs > 1).nonzero()[0],
+                "evictable": np.fromiter(self.evictable, dtype=np.int64)}
