@@ -50,12 +50,15 @@ class Engine:
         seed: seeds the draws of requests that give no seed.
         kv_chunk_bytes: the cache's arena chunk (default: sized from the budget, see
             :class:`~torch_zipkv.CompressedPagedKVCache`).
+        prefix_caching: a request starts from the longest run of its prompt's whole pages the cache holds (another
+            request's, running or finished) and prefills only the rest; finished requests' full pages stay cached
+            until their room is needed (docs/engine.md, "Prefix caching"). False: every prompt is prefilled whole.
     """
 
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
                  compress: bool = True, max_batch: int | None = None, prefill_chunk: int = 512,
                  cuda_graphs: bool | None = None, tokenizer=None, page_size: int = 16, compress_every: int = 8,
-                 seed: int = 0, kv_chunk_bytes: int | None = None):
+                 seed: int = 0, kv_chunk_bytes: int | None = None, prefix_caching: bool = True):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         check_int("prefill_chunk", prefill_chunk, 1)
@@ -64,8 +67,9 @@ class Engine:
         check_int("max_kv_bytes", max_kv_bytes, 1, optional=True)
         check_int("kv_chunk_bytes", kv_chunk_bytes, 1, optional=True)
         check_int("seed", seed)
-        if not isinstance(compress, bool):
-            raise TypeError(f"compress must be a bool, got {type(compress).__name__}")
+        for name, flag in (("compress", compress), ("prefix_caching", prefix_caching)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be None or a bool, got {type(cuda_graphs).__name__}")
         if max_kv_bytes is not None and memory_fraction is not None:
@@ -98,7 +102,8 @@ class Engine:
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
                                   max_batch=max_batch)
-        self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row)
+        self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row,
+                                   prefix_caching=prefix_caching)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
 
         self._rng = random.Random(seed)
@@ -290,9 +295,13 @@ class Engine:
         """``running`` (requests admitted: ``prefilling`` + ``decoding``), ``waiting`` (queue length),
         ``kv_bytes_total`` (the cache's budget: arena + meta), ``kv_bytes_free`` (free chunks), ``kv_bytes_stored`` /
         ``kv_bytes_raw`` (live pages as stored / as BF16), ``kv_ratio``, ``largest_batch`` (decode rows in one step so
-        far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured)."""
-        s = self.kv.stats()
-        running = self.scheduler.running
+        far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured); prefix caching:
+        ``prefix_cached_tokens`` (prompt tokens found in the cache at admission: the prefill tokens saved),
+        ``prefix_hit_rate`` (their share of the prompt tokens admitted), ``prefix_hits`` (requests that found a
+        prefix), and the cache's pages as stored, ``kv_bytes_cached`` (findable), ``kv_bytes_shared`` (held by two
+        requests or more), ``kv_bytes_evictable`` (held by none: room admission may take)."""
+        s, sched = self.kv.stats(), self.scheduler
+        running = sched.running
         prefilling = sum(r.state == "prefill" for r in running)
         graphs = self.runner.graphs
         return {"running": len(running), "prefilling": prefilling, "decoding": len(running) - prefilling,
@@ -300,7 +309,11 @@ class Engine:
                 "kv_bytes_free": s["free_chunks"] * s["chunk_bytes"], "kv_bytes_stored": s["stored_bytes"],
                 "kv_bytes_raw": s["raw_bytes"], "kv_ratio": s["ratio"], "largest_batch": self._largest_batch,
                 "steps": self._steps, "generated_tokens": self._generated, "prefilled_tokens": self._prefilled,
-                "cuda_graphs": 0 if graphs is None else len(graphs.graphs)}
+                "cuda_graphs": 0 if graphs is None else len(graphs.graphs),
+                "prefix_cached_tokens": sched.cached_tokens, "prefix_hits": sched.hits,
+                "prefix_hit_rate": sched.cached_tokens / sched.prompt_tokens if sched.prompt_tokens else 0.0,
+                "kv_bytes_cached": s["cached_bytes"], "kv_bytes_shared": s["shared_bytes"],
+                "kv_bytes_evictable": s["evictable_bytes"]}
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _prompt_list(self, prompt_ids) -> list[int]:
