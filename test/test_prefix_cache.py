@@ -186,8 +186,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.budget = {}  # seq -> tokens promised
         self.serial = 0
 
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(0, 40), own=st.integers(0, 20),
-          new=st.integers(0, 40))
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.sampled_from([40, 32, 17, 16, 5, 0]),
+          own=st.integers(0, 20), new=st.integers(0, 40))
     def add(self, prefix, cut, own, new):
         self.serial += 1
         token_ids = PREFIXES[prefix][:cut] + [1000 + self.serial] * own or [5]
@@ -272,6 +272,6 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert (arena.offset[:, p] >= 0).all()
 
 
-PrefixCacheMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
+PrefixCacheMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
                                                 derandomize=True)
 test_prefix_cache_programs = PrefixCacheMachine.TestCase
