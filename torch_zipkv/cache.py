@@ -605,8 +605,8 @@ class CompressedPagedKVCache:
             "meta_bytes": self._store.meta.numel() * 4, "num_chunks": a.num_chunks, "free_chunks": len(a.pool),
             "chunk_bytes": self.chunk_bytes, "fragmentation": 1 - stored / owned if owned else 0.0,
             "sequences": len(self._pool.seqs), "free_page_ids": len(self._pool.free_ids),
-            **{f"{what}_bytes": int(a.nbytes[:, ids].sum()) for what, ids in self._pool.prefix_pages().items()},
-            **{f"{what}_pages": len(ids) for what, ids in self._pool.prefix_pages().items()}, "layers": layers}
+            **{f"{what}_{unit}": int(a.nbytes[:, ids].sum()) if unit == "bytes" else len(ids)
+               for what, ids in self._pool.prefix_pages().items() for unit in ("bytes", "pages")}, "layers": layers}
 
     def _room(self, extra: np.ndarray | None = None, extra_ids: int = 0, *, evict: bool = False,
               keep: np.ndarray = ()) -> tuple[int, int]:
