@@ -141,6 +141,24 @@ def test_kv_source_requests_neither_find_nor_leave_pages(llama):
     ref.check(prompt, out.token_ids)
 
 
+def test_a_request_finds_only_pages_of_its_own_cache_salt(llama):
+    """cache_salt is the namespace of a request's page keys: another salt (an adapter, a tenant) finds nothing of the
+    same tokens, the same salt finds them."""
+    model, ref = llama
+    prompt = prompts_of(random.Random(9), [40])[0]
+    eng = Engine(model, max_kv_bytes=KV_BYTES)
+    params = SamplingParams(max_new_tokens=3)
+    eng.add_request(prompt, params, cache_salt="adapter-a")
+    run_all(eng, [])
+    for salt, found in ((None, 0), ("adapter-b", 0), (b"adapter-a", 32), ("adapter-a", 64)):
+        rid = eng.add_request(prompt, params, cache_salt=salt)
+        outs = run_all(eng, [])
+        assert eng.stats()["prefix_cached_tokens"] == found, salt
+        ref.check(prompt, outs[rid][-1].token_ids)
+    with pytest.raises(TypeError, match="cache_salt must be None, a str or bytes"):
+        eng.add_request(prompt, params, cache_salt=3)
+
+
 def test_an_aborted_request_leaves_what_it_prefilled_and_the_flag_is_checked(llama):
     model, ref = llama
     prompt = prompts_of(random.Random(8), [70])[0]

@@ -120,24 +120,27 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *,
-                    kv_source: Callable | None = None) -> int:
+                    kv_source: Callable | None = None, cache_salt: str | bytes | None = None) -> int:
         """Queue a request; returns its id. ``prompt_ids``: a list of ints or a 1-D integer tensor (a str needs the
         engine's tokenizer). ``kv_source`` (benchmarks): ``kv_source(layer) -> (k, v)``, each bf16
         [len(prompt_ids) - 1, num_kv_heads, head_dim] on the cache's device, appended at admission instead of
         running the prompt through the model; the first decode step then feeds ``prompt_ids[-1]``. If it returns a
         wrong tensor (ValueError) or raises, the :meth:`step` that admits the request aborts it (its last output,
-        reason "abort", comes with a later step) and raises that error; the engine keeps serving the others."""
-        return self._add_checked(*self._check_request(prompt_ids, params, kv_source), kv_source)
+        reason "abort", comes with a later step) and raises that error; the engine keeps serving the others.
+        ``cache_salt``: the prefix cache's namespace for this request (anything besides the tokens that changes their
+        K/V, e.g. an adapter, or a tenant whose pages others must not reuse): it finds only pages of requests with
+        the same salt (None: the engine's shared namespace)."""
+        return self._add_checked(*self._check_request(prompt_ids, params, kv_source, cache_salt), kv_source, cache_salt)
 
-    def _add_checked(self, prompt: list[int], params: SamplingParams, kv_source=None) -> int:
+    def _add_checked(self, prompt: list[int], params: SamplingParams, kv_source=None, cache_salt=None) -> int:
         seed = self._rng.getrandbits(32) if params.seed is None else seed32(params.seed)
         rid = self._next_id
-        self._enqueue(rid, prompt, params, seed, kv_source)
+        self._enqueue(rid, prompt, params, seed, kv_source, cache_salt)
         if self._tp is not None:
-            self._tp.record(("add", rid, tuple(prompt), params, seed, kv_source is not None))
+            self._tp.record(("add", rid, tuple(prompt), params, seed, kv_source is not None, cache_salt))
         return rid
 
-    def _check_request(self, prompt_ids, params, kv_source=None) -> tuple[list[int], SamplingParams]:
+    def _check_request(self, prompt_ids, params, kv_source=None, cache_salt=None) -> tuple[list[int], SamplingParams]:
         """The prompt as a list of ids and the params, or the error that refuses the request (nothing changes)."""
         if params is None:
             params = SamplingParams()
@@ -145,6 +148,8 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if kv_source is not None and not callable(kv_source):
             raise TypeError(f"kv_source must be callable (layer -> (k, v)), got {type(kv_source).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+            raise TypeError(f"cache_salt must be None, a str or bytes, got {type(cache_salt).__name__}")
         prompt = self._prompt_list(prompt_ids)
         total = len(prompt) + params.max_new_tokens
         if self.max_model_len is not None and total > self.max_model_len:
@@ -157,9 +162,10 @@ class Engine:
                              "raise max_kv_bytes / memory_fraction or shorten the request")
         return prompt, params
 
-    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None) -> None:
+    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None,
+                 cache_salt=None) -> None:
         self._next_id = rid + 1
-        self.scheduler.add(rid, prompt, params, seed, kv_source)
+        self.scheduler.add(rid, prompt, params, seed, kv_source, cache_salt)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request (waiting or running). Its last :class:`RequestOutput` (finish reason "abort") comes with

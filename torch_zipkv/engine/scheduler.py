@@ -18,10 +18,12 @@ class Request:
     """One request's life: waiting -> prefill -> decode -> finished (a ``kv_source`` request skips prefill)."""
 
     __slots__ = ("rid", "prompt", "params", "seed", "kv_source", "seq_id", "slot", "state", "prefilled", "launched",
-                 "tokens", "emitted", "reason", "stops", "keys", "cached")
+                 "tokens", "emitted", "reason", "stops", "keys", "cached", "salt")
 
-    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None):
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None,
+                 cache_salt: str | bytes | None = None):
         self.rid, self.prompt, self.params, self.seed, self.kv_source = rid, prompt, params, seed, kv_source
+        self.salt = cache_salt or b""  # the prefix cache's namespace: requests find only pages of the same salt
         self.seq_id: int | None = None  # in the paged cache, once admitted
         self.slot: int | None = None  # row of the runner's device tables, once admitted
         self.state = "waiting"
@@ -69,8 +71,9 @@ class Scheduler:
         self.finished: list[Request] = []  # finished, not yet reported
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None) -> Request:
-        req = Request(rid, prompt, params, seed, kv_source)
+    def add(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None,
+            cache_salt=None) -> Request:
+        req = Request(rid, prompt, params, seed, kv_source, cache_salt)
         self.requests[rid] = req
         self.waiting.append(req)
         return req
@@ -125,7 +128,7 @@ class Scheduler:
         if not self._caches(req):
             return []
         if not req.keys:
-            req.keys = page_hashes(req.prompt, self.kv.page_size)
+            req.keys = page_hashes(req.prompt, self.kv.page_size, req.salt)
         return self.kv.match_prefix(req.keys[: (len(req.prompt) - 1) // self.kv.page_size])
 
     def _cache_pages(self, req: Request) -> None:
@@ -133,7 +136,7 @@ class Scheduler:
         the cache holds was read back before: it was sampled a step before it was fed)."""
         if self._caches(req) and req.seq_id is not None:
             held = (req.prompt + req.tokens)[: self.kv.seq_len(0, req.seq_id)]
-            self.kv.cache_pages(req.seq_id, page_hashes(held, self.kv.page_size, previous=req.keys))
+            self.kv.cache_pages(req.seq_id, page_hashes(held, self.kv.page_size, req.salt, previous=req.keys))
 
     def decoding(self) -> list[Request]:
         """The running requests that decode one token this step."""
