@@ -70,7 +70,7 @@ def live_streams(cache, kept: dict) -> list[tuple[int, int, int, int]]:
 
 def check_layout(cache, kept: dict) -> list[tuple[int, int, int, int]]:
     """No two live streams overlap; each lies in data, in a chunk its layer owns; a page's streams are one run."""
-    streams = sorted(live_streams(cache, kept))
+    streams = sorted(set(live_streams(cache, kept)))  # a page shared by sequences (a cached prefix) is one page
     for (s0, e0, l0, p0), (s1, _, l1, p1) in zip(streams, streams[1:]):
         assert e0 <= s1, f"layer {l0} page {p0} [{s0}, {e0}) overlaps layer {l1} page {p1} at {s1}"
     arena = cache._arena

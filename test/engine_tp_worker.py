@@ -95,6 +95,20 @@ def admission(models, rank):
     return out
 
 
+def prefix(models, rank):
+    """Prompts run one after another, the first twice in a row and again at the end, with rank 1's room for one request
+    at a time: every rank finds the same cached pages, and evicts the same ones for the requests that need their room
+    on rank 1 only."""
+    budget = 256 << 10 if rank == 0 else 48 << 10
+    eng = Engine(load(models + "/llama"), max_kv_bytes=budget, kv_chunk_bytes=4096, prefill_chunk=16)
+    ps = prompts(models)
+    tokens, found = [], []
+    for i in (0, 0, 1, 2, 3, 0):
+        tokens.append(eng.generate([ps[i]], SamplingParams(max_new_tokens=NEW))[0].token_ids)
+        found.append(eng.stats()["prefix_cached_tokens"])
+    return {"tokens": tokens, "found": found, "cached": eng.kv.stats()["cached_pages"]}
+
+
 def mismatch(models, rank):
     """Ranks that add different requests: every rank raises the same error at the next step (none waits forever)."""
     eng = Engine(load(models + "/llama"), **KV)
@@ -131,8 +145,8 @@ def serve_load(models, rank, out_dir):
     return {"summary": summary, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
-SCENARIOS = {"staggered": staggered, "follower": follower, "admission": admission, "mismatch": mismatch,
-             "diverged": diverged, "serve": serve_load}
+SCENARIOS = {"staggered": staggered, "follower": follower, "admission": admission, "prefix": prefix,
+             "mismatch": mismatch, "diverged": diverged, "serve": serve_load}
 
 
 def main():

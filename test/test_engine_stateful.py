@@ -2,14 +2,18 @@
 and bad ones the engine must refuse without a trace), step, abort (running, waiting, finished, unknown ids). After
 every rule: the stream's invariants hold and the running requests' promises fit the cache. At the end the engine runs
 dry: every request got exactly one final output with its reason, and greedy tokens are transformers' own (up to bf16
-ties). Small caches and batch limits make requests queue. Derandomized: every run plays the same programs."""
+ties). Small caches and batch limits make requests queue. Derandomized: every run plays the same programs.
+
+PrefixEngineMachine plays the same programs over prompts that share prefixes (prefix caching on, as by default), on
+caches small enough that admissions evict cached pages: after every rule no page a running request holds is free or
+evictable, the promises of the running requests' own pages fit, and at the end every request has its own tokens."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -24,6 +28,9 @@ _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (1, 5, 16, 17, 40, 90)]
 MAX_NEW = 8
 _MODEL = {}
+_SHARED = [_rng.randrange(512) for _ in range(48)]
+SHARED_PROMPTS = [_SHARED[:17], _SHARED[:33] + [7], _SHARED[:40], _SHARED + [1, 2, 3], _SHARED[:16] + PROMPTS[4],
+                  PROMPTS[5]]
 
 
 def model_and_reference():
@@ -34,11 +41,14 @@ def model_and_reference():
 
 
 class EngineMachine(RuleBasedStateMachine):
+    prompts = PROMPTS
+    kv_chunk = 64 << 10
+
     @initialize(chunk=st.sampled_from([4, 16, 512]), max_batch=st.sampled_from([None, 1, 3]),
                 kv=st.sampled_from([640 << 10, 4 << 20]))
     def start(self, chunk, max_batch, kv):
         self.model, self.ref = model_and_reference()
-        self.eng = Engine(self.model, max_kv_bytes=kv, kv_chunk_bytes=64 << 10, prefill_chunk=chunk,
+        self.eng = Engine(self.model, max_kv_bytes=kv, kv_chunk_bytes=self.kv_chunk, prefill_chunk=chunk,
                           max_batch=max_batch)
         self.pages = self.eng.kv.capacity().pages
         self.requests = {}  # id -> (prompt, params)
@@ -61,7 +71,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(prompt=st.sampled_from(range(len(PROMPTS))), new=st.integers(1, MAX_NEW),
           stop_at=st.none() | st.integers(0, 7))
     def add(self, prompt, new, stop_at):
-        p = PROMPTS[prompt]
+        p = self.prompts[prompt]
         stops = ()
         if stop_at is not None:
             stops = (self.ref(p, MAX_NEW)[0][stop_at],)
@@ -105,7 +115,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         running = self.eng.scheduler.running
         assert self.eng.max_batch is None or len(running) <= self.eng.max_batch
-        promised = sum(-(-(len(r.prompt) + r.params.max_new_tokens) // 16) for r in running)
+        promised = sum(-(-(len(r.prompt) + r.params.max_new_tokens) // 16) - r.cached // 16 for r in running)
         assert promised <= self.pages
         assert len(self.eng.kv.seq_ids) == len(running)
 
@@ -137,3 +147,43 @@ EngineMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example runs a model; the failure
 # prints its steps as they are
 test_engine_programs = EngineMachine.TestCase
+
+
+class PrefixEngineMachine(EngineMachine):
+    prompts = SHARED_PROMPTS
+    kv_chunk = 16 << 10  # 2 pages of a layer
+
+    @initialize(chunk=st.sampled_from([4, 16, 512]), max_batch=st.sampled_from([None, 3]),
+                kv=st.sampled_from([176 << 10, 640 << 10]))
+    def start(self, chunk, max_batch, kv):
+        """Then one request of the longest shared prompt runs to its end: its pages stay cached for the program."""
+        super().start(chunk, max_batch, kv)
+        self.add(3, MAX_NEW, None)
+        while self.eng.has_unfinished():
+            self.take(self.eng.step())
+
+    @invariant()
+    def held_pages_stay(self):
+        if not hasattr(self, "eng"):
+            return
+        kv = self.eng.kv
+        pool, arena = kv._pool, kv._arena
+        for r in self.eng.scheduler.running:
+            seq = kv._seq(r.seq_id)
+            held = seq.pages[: seq.num_ids].tolist()
+            assert not set(held) & (set(pool.free_ids) | set(pool.evictable)), f"request {r.rid}'s page was freed"
+            full = -(-kv.seq_len(0, r.seq_id) // 16)
+            assert (arena.offset[:, seq.pages[:full]] >= 0).all()
+        assert arena.pool_need() <= len(arena.pool), "the pool can no longer keep the promises"
+        cached = kv.stats()["cached_pages"]
+        if self.eng.stats()["prefix_hits"]:
+            event("a request started from cached pages")
+        if cached < getattr(self, "cached", 0):
+            event("cached pages were evicted")
+        self.cached = cached
+
+
+PrefixEngineMachine.TestCase.settings = settings(
+    max_examples=8, stateful_step_count=16, deadline=None, derandomize=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate])
+test_engine_programs_over_shared_prefixes = PrefixEngineMachine.TestCase

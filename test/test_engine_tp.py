@@ -139,6 +139,18 @@ def test_admission_agrees_when_one_rank_has_less_room(run, reference):
     assert finals(records[0]["log"]) == {i: (reference[i], "length") for i in range(4)}
 
 
+def test_prefix_caching_finds_and_evicts_the_same_pages_on_every_rank(run, reference):
+    """What a request finds in the prefix cache depends on token ids and host state only, and eviction on the most any
+    rank needs: the ranks find the same pages (or one rank's step would fail the state check), even though only rank
+    1 is short of room; the tokens are transformers' own."""
+    records = scenario(run, "prefix")
+    assert records[0]["found"] == records[1]["found"] and records[0]["cached"] == records[1]["cached"]
+    assert records[0]["found"][1] == 32  # the second run of a 40-token prompt finds its 2 full pages
+    for i, tokens in zip((0, 0, 1, 2, 3, 0), records[0]["tokens"]):
+        assert tokens == reference[i]
+    assert records[1]["tokens"] == records[0]["tokens"]
+
+
 def test_ranks_that_disagree_raise_on_every_rank(run):
     for rec in scenario(run, "mismatch"):
         assert "ranks [1] called add_request / abort differently from rank 0" in rec["error"]

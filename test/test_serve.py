@@ -93,6 +93,29 @@ def test_synthetic_load_on_a_saved_model(tiny, tmp_path, capsys):
     assert "tok/s" in captured.err and "KV ratio" in captured.err and "queue" in captured.err
 
 
+def test_shared_prefix_and_chat_loads_find_cached_pages(tiny, tmp_path, capsys):
+    """Requests over two shared prefixes start from each other's pages; a 3-turn chat's later turns hold the earlier
+    turn and its answer and start from its pages; --no-prefix-caching finds nothing. The summary says so."""
+    common = ["--model", tiny, "--gen-len", "5", "--max-kv-bytes", str(16 << 20), "--prefill-chunk", "16",
+              "--device", "cpu", "--no-progress"]
+    shared = serve.main(common + ["--num-prompts", "8", "--prompt-len", "4", "--shared-prefix-len", "40",
+                                  "--num-prefixes", "2", "--arrival-rate", "50"])
+    assert shared["requests"] == 8 and shared["prefix_hits"] >= 1 and shared["prefix_cached_tokens"] >= 32
+    assert "prompt tokens found (hit rate" in capsys.readouterr().out
+    out = tmp_path / "chat.jsonl"
+    chat = serve.main(common + ["--num-prompts", "2", "--prompt-len", "20", "--turns", "3", "--out", str(out)])
+    rows = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == list(range(6)) and chat["requests"] == 6
+    for conversation in (0, 3):
+        for turn in (1, 2):
+            before, now = rows[conversation + turn - 1], rows[conversation + turn]
+            assert now["prompt_len"] == before["prompt_len"] + 5 + 20
+    assert chat["prefix_hits"] == 4 and chat["prefix_cached_tokens"] >= 4 * 16
+    off = serve.main(common + ["--num-prompts", "2", "--prompt-len", "20", "--turns", "2", "--no-prefix-caching"])
+    assert off["requests"] == 4 and off["prefix_cached_tokens"] == 0 and not off["prefix_caching"]
+    assert "prefix caching off" in capsys.readouterr().out
+
+
 def _unwritable(tmp_path) -> str:
     """A path --out cannot write: in a read-only directory, or (as root, whom modes do not stop) a /proc file."""
     if os.geteuid() == 0:
@@ -110,6 +133,15 @@ BAD_ARGUMENTS = [
     (["--gen-len", "0"], "--gen-len must be an int >= 1, got 0"),
     (["--prompt-len", "400", "--gen-len", "200"], "--prompt-len 400 + --gen-len 200 = 600 exceeds the model's "
                                                   f"context of {CONTEXT} tokens"),
+    (["--shared-prefix-len", "-1"], "--shared-prefix-len must be an int >= 0, got -1"),
+    (["--num-prefixes", "0"], "--num-prefixes must be an int >= 1, got 0"),
+    (["--turns", "0"], "--turns must be an int >= 1, got 0"),
+    (["--num-prefixes", "3"], "--num-prefixes 3 needs --shared-prefix-len"),
+    (["--prompts", "{tmp}/empty.jsonl", "--turns", "2", "--num-prefixes", "2", "--shared-prefix-len", "8"],
+     "--shared-prefix-len, --num-prefixes, --turns: shape the synthetic load, not --prompts"),
+    (["--turns", "3", "--prompt-len", "100", "--gen-len", "100"], "--turns 3 x (--prompt-len 100 + --gen-len 100) = "
+                                                                  f"600 exceeds the model's context of {CONTEXT}"),
+    (["--shared-prefix-len", "500"], "--shared-prefix-len 500 + --prompt-len 256 + --gen-len 64 = 820 exceeds"),
     (["--arrival-rate", "0"], "--arrival-rate must be > 0"),
     (["--arrival-rate=-inf"], "--arrival-rate must be > 0"),
     (["--arrival-rate", "nan"], "--arrival-rate must be > 0"),

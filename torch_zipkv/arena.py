@@ -81,9 +81,10 @@ class Arena:
         self.dirty_chunks: list[int] = []
 
     # ---- promises -------------------------------------------------------------------------------------------
-    def pool_need(self, extra: np.ndarray | None = None) -> int:
-        """Chunks the pool must supply to keep every promise, plus ``extra`` [layers] more raw pages."""
-        short = self.reserved - self.free_slot_count
+    def pool_need(self, extra: np.ndarray | None = None, free_slots: np.ndarray | None = None) -> int:
+        """Chunks the pool must supply to keep every promise, plus ``extra`` [layers] more raw pages (with
+        ``free_slots`` [layers] free slots, default the layers' own)."""
+        short = self.reserved - (self.free_slot_count if free_slots is None else free_slots)
         if extra is not None:
             short = short + extra
         return int(np.maximum(0, -(-short // self.slots_per_chunk)).sum())
@@ -107,14 +108,17 @@ class Arena:
         chunks = len(self.pool) - (self.pool_need() - own)  # pool chunks the other layers' promises leave
         return max(0, int(self.free_slot_count[layer]) + chunks * self.slots_per_chunk - int(self.reserved[layer]))
 
-    def max_new_pages(self, extra: np.ndarray) -> int:
-        """Largest n such that every layer can take n raw pages on top of its promises and ``extra`` [layers]."""
-        lo, hi = 0, len(self.pool) * self.slots_per_chunk + int(self.free_slot_count.max())
-        if self.pool_need(extra) > len(self.pool):
+    def max_new_pages(self, extra: np.ndarray, free_slots: np.ndarray | None = None, pool: int | None = None) -> int:
+        """Largest n such that every layer can take n raw pages on top of its promises and ``extra`` [layers]; with
+        ``free_slots`` [layers] and ``pool`` chunks in the pool, what :meth:`after_release` says, if given."""
+        if free_slots is None:
+            free_slots, pool = self.free_slot_count, len(self.pool)
+        lo, hi = 0, pool * self.slots_per_chunk + int(free_slots.max())
+        if self.pool_need(extra, free_slots) > pool:
             return 0
         while lo < hi:  # pool_need grows with n: binary search
             mid = (lo + hi + 1) // 2
-            if self.pool_need(extra + mid) <= len(self.pool):
+            if self.pool_need(extra + mid, free_slots) <= pool:
                 lo = mid
             else:
                 hi = mid - 1
@@ -228,6 +232,20 @@ class Arena:
             last = np.sort(np.unique(emptied, return_index=True)[1])  # each chunk's last page, from the end
             for c in emptied[last][::-1].tolist():  # in the order they emptied
                 self._give_back(c)
+
+    def after_release(self, layers: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, int]:
+        """Each layer's free slots [layers] and the pool's chunks if pages ``(layers[i], pages[i])`` (distinct, each
+        with bytes) were released (:meth:`release`), which this does not do: what their room would be."""
+        chunks = self.offset[layers, pages] // self.chunk_bytes
+        in_slot = self.kind[chunks] == SLOTS
+        live = self.live.copy()
+        np.subtract.at(live, chunks, np.where(in_slot, self.page_bytes, self.nbytes[layers, pages]))
+        free_slots = self.free_slot_count.copy()
+        np.add.at(free_slots, layers[in_slot], 1)
+        emptied = np.unique(chunks[live[chunks] == 0])
+        slots = emptied[self.kind[emptied] == SLOTS]  # a slot chunk that empties takes its free slots to the pool
+        np.subtract.at(free_slots, self.owner[slots], self.slots_per_chunk)
+        return free_slots, len(self.pool) + len(emptied)
 
     def remove(self, layer: int, pages: np.ndarray) -> None:
         """Forget pages (freed sequences); chunks that empty go back to the pool."""

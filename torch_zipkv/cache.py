@@ -4,9 +4,12 @@ How it is put together:
 - A page holds ``page_size`` tokens. A page id names the same token range of a sequence in every layer, so one page
   table serves all layers of a decode step. Each layer has its own meta tensor ``[max_pages, 2, H, W]`` (a view of one
   ``[layers, ...]`` tensor) whose rows point into the shared arena ``data``.
-- This class keeps the sequences (page ids, lengths, budgets, sliding windows) and the accounting, and composes the
-  parts that have state and rules of their own:
+- This class keeps the rules (budgets, windows, what fits) and the accounting, and composes the parts that have
+  state and rules of their own:
 
+  - ``page_pool.py`` (:class:`~torch_zipkv.page_pool.PagePool`, host only): the sequences, their page ids and who
+    holds each page; the prefix cache (full pages found by a chained key of their tokens, shared by reference
+    count, kept until their room is needed).
   - ``arena.py`` (:class:`~torch_zipkv.arena.Arena`, host only): where every page's bytes live (chunks, slots,
     packed runs) and the promises that let an admitted sequence always grow to its budget.
   - ``page_store.py`` (:class:`~torch_zipkv.page_store.PageStore`): ``data`` and the meta rows on the device, and
@@ -44,9 +47,10 @@ import torch
 from . import format as fmt
 from . import ops
 from .arena import Arena
-from .checks import check_int, is_int
+from .checks import check_int, check_windows, is_int
 from .compression_rounds import CompressionRounds
 from .distributed import all_min, check_process_group
+from .page_pool import PagePool
 from .page_store import PageStore
 from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader
@@ -77,20 +81,6 @@ class Capacity:
     pages: int  # new pages every layer can take
     tokens: int  # pages * page_size: tokens one new sequence could hold
     requests: int  # sequences of the asked prompt_len + max_new_tokens that add_sequence would admit now
-
-
-class _Seq:
-    __slots__ = ("row", "pages", "num_ids", "budget")
-
-    def __init__(self, row: int, budget: int):
-        self.row, self.budget, self.num_ids = row, budget, 0  # budget: pages promised in every layer
-        self.pages = np.empty(max(8, budget), dtype=np.int32)  # page ids in token order; grows by doubling
-
-    def push(self, page: int) -> None:
-        if self.num_ids == len(self.pages):
-            self.pages = np.concatenate([self.pages, np.empty_like(self.pages)])
-        self.pages[self.num_ids] = page
-        self.num_ids += 1
 
 
 def _id_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int) -> int:
@@ -153,7 +143,7 @@ class CompressedPagedKVCache:
         check_int("page_size", page_size)
         check_int("head_dim", head_dim)
         fmt.check_geometry(page_size, head_dim)
-        self.sliding_window: list[int | None] = self._windows(sliding_window, num_layers)
+        self.sliding_window: list[int | None] = check_windows(sliding_window, num_layers)
         self.process_group = check_process_group(process_group)  # None unless there are other ranks to agree with
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -202,41 +192,15 @@ class CompressedPagedKVCache:
         self.data = self._store.data
         self._arena = Arena(num_layers, max_pages, num_chunks, self.chunk_bytes, self.page_bytes)
         self._compression = CompressionRounds(self._store, self._arena, num_layers, max_pages)
+        self._pool = PagePool(num_layers, max_pages)  # sequences, page ids, who holds them, the prefix cache
+        self._seq = self._pool.seq
         self._layouts = TokenLayouts(page_size, self._upload, self._seq)
         self._all_layers = np.arange(num_layers)
-
-        self._seqs: dict[int, _Seq] = {}
-        self._next_seq_id = 0
-        self._len = np.zeros((16, num_layers), dtype=np.int64)  # tokens per (sequence row, layer)
-        self._dropped = np.zeros((16, num_layers), dtype=np.int64)  # leading pages freed (sliding windows)
         windows = self.sliding_window
         self._window_left = [-1 if w is None else w - 1 for w in windows]  # paged_decode's argument, per layer
         self._windowed = np.array([w is not None for w in windows]).nonzero()[0]
         self._window_tokens = np.array([w or 0 for w in windows], dtype=np.int64)[self._windowed]
-        self._free_rows = list(range(15, -1, -1))
-        self._free_ids = list(range(max_pages - 1, -1, -1))
-        self._reserved_ids = 0  # page ids promised to running sequences
         self._generation = StepGeneration(self)  # the decode steps prepared since the sequences or pages last changed
-
-    @staticmethod
-    def _windows(sliding_window, num_layers: int) -> list[int | None]:
-        """``sliding_window`` as one entry per layer, checked."""
-        expected = f"sliding_window must be None, an int >= 1, or one such entry per layer ({num_layers})"
-        if sliding_window is None or is_int(sliding_window):
-            windows = [sliding_window] * num_layers
-        else:
-            try:
-                windows = list(sliding_window)
-            except TypeError:
-                raise TypeError(f"{expected}, got {type(sliding_window).__name__} {sliding_window!r}") from None
-        if len(windows) != num_layers:
-            raise ValueError(f"{expected}, got {sliding_window!r}")
-        for w in windows:
-            if w is not None and not is_int(w):
-                raise TypeError(f"{expected}, got an entry {type(w).__name__} {w!r}")
-            if w is not None and w < 1:
-                raise ValueError(f"{expected}, got {sliding_window!r}")
-        return [None if w is None else int(w) for w in windows]
 
     @staticmethod
     def raw_sizing(num_layers: int, num_kv_heads: int, head_dim: int, *, batch_size: int, max_length: int,
@@ -271,54 +235,91 @@ class CompressedPagedKVCache:
                 "chunk_bytes": per_chunk * page_bytes, "max_pages": max_pages}
 
     # ---- sequences --------------------------------------------------------------------------------------------
-    def add_sequence(self, prompt_len: int = 0, max_new_tokens: int = 0) -> int:
+    def add_sequence(self, prompt_len: int = 0, max_new_tokens: int = 0, *, prefix=()) -> int:
         """Start a sequence and return its id. Its budget, ``prompt_len + max_new_tokens`` tokens, is reserved at raw
         size in every layer, so appends within it never fail; appends past it take free room if any. Raises
-        CacheFullError if the budget does not fit now (see :meth:`capacity`)."""
+        CacheFullError if the budget does not fit now (see :meth:`capacity`), evicting no cached page then.
+
+        ``prefix``: cached page ids (:meth:`match_prefix`) that hold the sequence's first ``len(prefix) *
+        page_size`` tokens in every layer. The sequence holds them from now on and starts after them, and its budget
+        charges only the pages after them. Cached pages that nobody holds are evicted (least recently used first)
+        when the budget needs their room."""
         for name, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
             check_int(name, value, 0)
         prompt_len, max_new_tokens = int(prompt_len), int(max_new_tokens)
         budget = -(-(prompt_len + max_new_tokens) // self.page_size)
-        pages, ids = self._room()
-        if budget > min(pages, ids):
-            what = f"add_sequence: a budget of {prompt_len + max_new_tokens} tokens needs {budget}"
+        prefix = self._pool.check_prefix(prefix, budget)
+        private = budget - len(prefix)
+        pages, ids = self._room(evict=True, keep=prefix)
+        if private > min(pages, ids):
+            what = f"add_sequence: a budget of {prompt_len + max_new_tokens} tokens needs {private}"
+            if len(prefix):
+                what += f" (beyond a cached prefix of {len(prefix)} pages)"
             if ids < pages:
                 raise CacheFullError(f"{what} page ids, but only {ids} are free ({self._describe_ids()})",
-                                     requested=budget, free=ids, unit="page ids")
+                                     requested=private, free=ids, unit="page ids")
             raise CacheFullError(f"{what} raw pages in every layer, but only {pages} can be promised now "
-                                 f"({self._describe_free()})", requested=budget, free=pages, unit="pages per layer")
-        if not self._free_rows:
-            old = len(self._len)
-            self._len = np.concatenate([self._len, np.zeros_like(self._len)])
-            self._dropped = np.concatenate([self._dropped, np.zeros_like(self._dropped)])
-            self._free_rows = list(range(2 * old - 1, old - 1, -1))
-        seq = _Seq(self._free_rows.pop(), budget)
-        self._len[seq.row] = 0
-        self._dropped[seq.row] = 0
-        self._arena.reserved += budget
-        self._reserved_ids += budget
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        self._seqs[seq_id] = seq
+                                 f"({self._describe_free()})", requested=private, free=pages, unit="pages per layer")
+        self._evict_for(private, prefix)
+        self._arena.reserved += private
+        seq_id = self._pool.add(budget, prefix)
+        self._pool.len[self._pool.seqs[seq_id].row] = len(prefix) * self.page_size
         self._end_steps()
         return seq_id
 
     def free_sequence(self, seq_id: int) -> None:
-        """Drop a sequence and its unused budget. Chunks that empty go back to the shared pool at once (for any
-        layer); room freed inside chunks that stay in use comes back with :meth:`compact`."""
+        """Drop a sequence and its unused budget. Its pages that no other sequence holds are freed, but cached ones
+        (:meth:`cache_pages`), which stay until their room is needed. Chunks that empty go back to the shared pool
+        at once (for any layer); room freed inside chunks that stay in use comes back with :meth:`compact`."""
         seq = self._seq(seq_id)
-        for layer in range(self.num_layers):
-            pages = -(-int(self._len[seq.row, layer]) // self.page_size)
-            self._forget_pages(layer, seq.pages[:pages])
-            self._arena.reserved[layer] -= max(0, seq.budget - pages)
-        ids = seq.pages[: seq.num_ids]
-        self._store.forget_ids(ids, self._arena.take_dirty())  # stale ids now fail loudly
-        self._free_ids.extend(ids.tolist())
-        self._reserved_ids -= max(0, seq.budget - seq.num_ids)
-        self._free_rows.append(seq.row)
-        del self._seqs[seq_id]
+        self._arena.reserved -= np.maximum(0, seq.budget - -(-self._pool.len[seq.row] // self.page_size))
+        self._forget_ids(self._pool.remove(seq_id))
         self._layouts.clear()
         self._end_steps()
+
+    def _forget_ids(self, ids: np.ndarray) -> None:
+        """Free page ``ids`` (no sequence holds them, none is cached) in every layer; stale ids then fail loudly."""
+        for layer in range(self.num_layers):
+            self._forget_pages(layer, ids)
+        self._store.forget_ids(ids, self._arena.take_dirty())
+
+    # ---- the prefix cache (torch_zipkv/page_pool.py) --------------------------------------------------------------
+    def match_prefix(self, keys) -> list[int]:
+        """The cached pages of the longest run of ``keys`` (:func:`~torch_zipkv.page_pool.page_hashes` of a
+        sequence's tokens, page 0 first) found here: give them to :meth:`add_sequence` as its ``prefix``."""
+        return self._pool.match(keys)
+
+    def cache_pages(self, seq_id: int, keys) -> int:
+        """Make pages of ``seq_id`` findable by :meth:`match_prefix`: page j under ``keys[j]``, the chained key of its
+        tokens (:func:`~torch_zipkv.page_pool.page_hashes`, which the caller computes from the tokens it appended:
+        a key that names other tokens would serve wrong K/V). Only pages full and present in every layer are
+        cached (a sliding window may have freed one); pages cached already, or whose key another page holds, are
+        skipped. Returns how many pages became cached. A cached page stays when its holders end, until its room is
+        needed."""
+        seq = self._seq(seq_id)
+        pages = seq.pages[: min(seq.num_ids, int(self._pool.len[seq.row].min()) // self.page_size)]
+        return self._pool.register(seq, keys, whole=(self._arena.offset[:, pages] >= 0).all(0))
+
+    def _present(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(layers, pages) of page ``ids`` where they have bytes."""
+        layers, at = (self._arena.offset[:, ids] >= 0).nonzero()
+        return layers, ids[at]
+
+    def _evict_for(self, pages: int, keep: np.ndarray) -> None:
+        """Evict the fewest least recently used cached pages nobody holds (but ``keep``) that leave room to promise
+        ``pages`` more pages and page ids (the caller checked that evicting all of them would). Every rank evicts
+        the same pages: the most any rank needs (the order is the same everywhere: host state every rank replays)."""
+        lru = self._pool.lru(keep.tolist())
+        if not len(lru):
+            return
+        zero = np.zeros(self.num_layers, dtype=np.int64)
+        k = self._pool.fewest_to_evict(lru, pages, lambda ids: self._arena.max_new_pages(
+            zero, *self._arena.after_release(*self._present(ids))))  # this rank's room once ids are evicted
+        if self.process_group is not None:
+            k = -self._agree([-k])[0]
+        if k:
+            self._pool.evict(lru[:k])
+            self._forget_ids(lru[:k])
 
     def _end_steps(self) -> None:
         """The sequences or pages changed: every decode step prepared so far is stale (:class:`StepGeneration`). A
@@ -332,12 +333,12 @@ class CompressedPagedKVCache:
     @property
     def seq_ids(self) -> list[int]:
         """Ids of the running sequences."""
-        return list(self._seqs)
+        return list(self._pool.seqs)
 
     def seq_len(self, layer: int, seq_id: int) -> int:
         """Tokens appended to ``seq_id`` in ``layer``."""
         self._check_layer(layer)
-        return int(self._len[self._seq(seq_id).row, layer])
+        return int(self._pool.len[self._seq(seq_id).row, layer])
 
     # ---- append and decode --------------------------------------------------------------------------------------
     def append(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -356,7 +357,7 @@ class CompressedPagedKVCache:
         if n == 0:
             return
         layers = slice(layer, layer + 1)
-        layout = self._layouts.append(batch, self._len[batch.rows, layer], single, n)
+        layout = self._layouts.append(batch, self._pool.len[batch.rows, layer], single, n)
         writes = self._open_pages(layers, batch, layout)
         tokens = self._layouts.token_slots(batch, layout) if layout.page_ids is None else []  # the layers share them
         sent = self._upload(*writes, *tokens)
@@ -365,7 +366,7 @@ class CompressedPagedKVCache:
             layout.page_ids, layout.slots = sent[len(writes):]
         ops.append_kv(k.contiguous(), v.contiguous(), layout.page_ids, layout.slots, self.page_size, self.data,
                       self.meta(layer))
-        self._len[batch.rows, layer] = layout.end
+        self._pool.len[batch.rows, layer] = layout.end
         self._compression.add_full(layers, self._layouts.filled_ids(batch, layout))
 
     def page_table(self, layer: int, seq_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,7 +374,7 @@ class CompressedPagedKVCache:
         ``kv_last_page_len [B]`` (0 for a sequence with no tokens in the layer), on the cache's device."""
         self._check_layer(layer)
         batch = self._layouts.batch(seq_ids)
-        return self._layouts.page_table(batch, self._len[batch.rows, layer])
+        return self._layouts.page_table(batch, self._pool.len[batch.rows, layer])
 
     def decode(self, layer: int, q: torch.Tensor, seq_ids, *, sm_scale: float | None = None,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -439,7 +440,7 @@ class CompressedPagedKVCache:
         :meth:`step_append` and :meth:`step_decode` refuse a stale step (RuntimeError). So call those between steps,
         before this."""
         batch = self._layouts.batch(seq_ids)
-        lens = self._len[batch.rows]  # [B, layers]
+        lens = self._pool.len[batch.rows]  # [B, layers]
         start = lens[:, 0]
         if (lens != start[:, None]).any():
             raise RuntimeError("prepare_step needs every layer at the same length for these sequences; use append() "
@@ -450,7 +451,7 @@ class CompressedPagedKVCache:
         page_ids, slots, indptr, last, indices, *writes = self._upload(*self._layouts.step_tables(batch, start),
                                                                        *writes)
         self._store.write_open_rows(*writes)
-        self._len[batch.rows] = layout.end[:, None]
+        self._pool.len[batch.rows] = layout.end[:, None]
         if layout.filled:
             self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
         return DecodeStep(page_ids, slots, indptr, indices, last, self._generation)
@@ -503,7 +504,7 @@ class CompressedPagedKVCache:
         keeps: the last ones, from the first page not yet freed (:meth:`kept_from`)."""
         self._check_layer(layer)
         seq = self._seq(seq_id)
-        length, first = int(self._len[seq.row, layer]), int(self._dropped[seq.row, layer])
+        length, first = int(self._pool.len[seq.row, layer]), int(self._pool.dropped[seq.row, layer])
         n = -(-length // self.page_size) - first
         ids, = self._upload(seq.pages[first: first + n])
         pages = ops.decompress_pages(self.data, self.meta(layer), ids, self.page_size, self.head_dim)
@@ -514,7 +515,7 @@ class CompressedPagedKVCache:
     def kept_from(self, layer: int, seq_id: int) -> int:
         """The first token of ``seq_id`` that ``layer`` still stores (0 unless its sliding window freed pages)."""
         self._check_layer(layer)
-        return int(self._dropped[self._seq(seq_id).row, layer]) * self.page_size
+        return int(self._pool.dropped[self._seq(seq_id).row, layer]) * self.page_size
 
     def meta(self, layer: int) -> torch.Tensor:
         """Meta rows of ``layer``: int32 [max_pages, 2, num_kv_heads, W], for ops on ``data``."""
@@ -556,25 +557,12 @@ class CompressedPagedKVCache:
     def _free_out_of_window(self) -> None:
         """Free, in every sliding-window layer, each sequence's pages that end before its window: the decode of this
         and every later step attends to the last ``window`` tokens only and skips them."""
-        if not len(self._windowed) or not self._seqs:
-            return
-        seqs = list(self._seqs.values())
-        rows = np.array([s.row for s in seqs])
-        keep = np.maximum(0, self._len[rows][:, self._windowed] - self._window_tokens) // self.page_size
-        dropped = self._dropped[rows][:, self._windowed]
-        todo = np.argwhere(keep > dropped)  # a pair turns up once every page_size steps
-        if not len(todo):
-            return
-        layers, pids = [], []
-        for i, w in todo.tolist():
-            layer, pages = int(self._windowed[w]), seqs[i].pages[dropped[i, w]: keep[i, w]]
+        freed = self._pool.leave_windows(self._windowed, self._window_tokens, self.page_size)
+        for layer, pages in freed:
             self._forget_pages(layer, pages)
-            layers.append(np.full(len(pages), layer))
-            pids.append(pages)
-            self._dropped[rows[i], layer] = keep[i, w]
-        # A freed page fails loudly if anything reads it.
-        self._store.forget_rows(self._store.rows(np.concatenate(layers), np.concatenate(pids)),
-                                self._arena.take_dirty())
+        if freed:  # a freed page fails loudly if anything reads it
+            layers, pids = (np.concatenate(x) for x in zip(*((np.full(len(p), layer), p) for layer, p in freed)))
+            self._store.forget_rows(self._store.rows(layers, pids), self._arena.take_dirty())
 
     def compact(self) -> int:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
@@ -607,16 +595,7 @@ class CompressedPagedKVCache:
         Bytes that compression will free later are never promised."""
         for name, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("reserve", reserve)):
             check_int(name, value, 0)
-        extra, extra_ids = np.zeros(self.num_layers, dtype=np.int64), 0
-        if reserve and self._seqs:
-            seqs = list(self._seqs.values())
-            lens = self._len[[s.row for s in seqs]]
-            budget = np.array([s.budget for s in seqs])[:, None]
-            want = -(-(lens + reserve) // self.page_size)
-            extra = np.maximum(0, want - np.maximum(-(-lens // self.page_size), budget)).sum(0)
-            have_ids = np.maximum([s.num_ids for s in seqs], budget[:, 0])
-            extra_ids = int(np.maximum(0, want.max(1) - have_ids).sum())
-        pages = min(self._room(extra, extra_ids))
+        pages = min(self._room(*self._pool.growth(reserve, self.page_size), evict=True))
         per_request = -(-(prompt_len + max_new_tokens) // self.page_size)
         return Capacity(pages=pages, tokens=pages * self.page_size,
                         requests=pages // per_request if per_request else 0)
@@ -625,13 +604,13 @@ class CompressedPagedKVCache:
         """Bytes and chunks: ``raw_bytes`` (live pages as plain BF16), ``stored_bytes`` (as stored), ``ratio``,
         ``meta_bytes``, ``tokens`` (stored), ``free_chunks`` / ``num_chunks`` / ``chunk_bytes``, ``fragmentation``
         (share of the bytes in layer-owned chunks that hold no live page: free slots, packed tails, holes, room left by
-        pages compressed in place) and ``layers``, one dict per layer (``waiting_full_pages``: full pages not yet
+        pages compressed in place); the prefix cache's pages, all layers, as stored: ``cached_bytes`` (findable by
+        :meth:`match_prefix`), ``shared_bytes`` (held by two sequences or more), ``evictable_bytes`` (cached, held by
+        none: room :meth:`capacity` counts), with their page ids counted in ``cached_pages``, ``shared_pages``,
+        ``evictable_pages``; and ``layers``, one dict per layer (``waiting_full_pages``: full pages not yet
         compressed; ``compressing_pages``: compressed by ``compress_full_pages(wait=False)``, not yet placed)."""
         a = self._arena
-        rows = [s.row for s in self._seqs.values()]
-        tokens = np.zeros(self.num_layers, dtype=np.int64)  # stored: a sliding window's freed pages are gone
-        if rows:
-            tokens = (self._len[rows] - self._dropped[rows] * self.page_size).sum(0)
+        tokens = self._pool.tokens(self.page_size)  # stored: a sliding window's freed pages are gone
         layers = []
         for layer in range(self.num_layers):
             live = a.offset[layer] >= 0
@@ -650,15 +629,23 @@ class CompressedPagedKVCache:
             "ratio": stored / raw if raw else 1.0,
             "meta_bytes": self._store.meta.numel() * 4, "num_chunks": a.num_chunks, "free_chunks": len(a.pool),
             "chunk_bytes": self.chunk_bytes, "fragmentation": 1 - stored / owned if owned else 0.0,
-            "sequences": len(self._seqs), "free_page_ids": len(self._free_ids), "layers": layers}
+            "sequences": len(self._pool.seqs), "free_page_ids": len(self._pool.free_ids),
+            **{f"{what}_{unit}": int(a.nbytes[:, ids].sum()) if unit == "bytes" else len(ids)
+               for what, ids in self._pool.prefix_pages().items() for unit in ("bytes", "pages")}, "layers": layers}
 
-    def _room(self, extra: np.ndarray | None = None, extra_ids: int = 0) -> tuple[int, int]:
+    def _room(self, extra: np.ndarray | None = None, extra_ids: int = 0, *, evict: bool = False,
+              keep: np.ndarray = ()) -> tuple[int, int]:
         """Raw pages every layer can take beyond every promise and ``extra`` [layers] more pages, and page ids beyond
-        those promised and ``extra_ids`` more: what a new sequence may be promised, in either unit."""
+        those promised and ``extra_ids`` more: what a new sequence may be promised, in either unit. ``evict``: once
+        every cached page nobody holds (but ``keep``) is evicted, room a promise may count on, since
+        :meth:`add_sequence` evicts what it needs (the pages' slots and the chunks they alone fill; holes they leave
+        in packed chunks are not counted)."""
         if extra is None:
             extra = np.zeros(self.num_layers, dtype=np.int64)
-        ids = len(self._free_ids) - self._reserved_ids - extra_ids
-        room = self._arena.max_new_pages(extra), max(0, ids)
+        lru = self._pool.lru(np.asarray(keep).tolist()) if evict else ()
+        after = self._arena.after_release(*self._present(lru)) if len(lru) else ()
+        ids = len(self._pool.free_ids) + len(lru) - self._pool.reserved_ids - extra_ids
+        room = self._arena.max_new_pages(extra, *after), max(0, ids)
         return room if self.process_group is None else tuple(self._agree(list(room)))
 
     def _agree(self, values: list[int]) -> list[int]:
@@ -666,13 +653,19 @@ class CompressedPagedKVCache:
         return all_min(values, self.process_group, self.device)
 
     def _describe_ids(self) -> str:
-        return (f"{len(self._free_ids)} of {len(self._arena.offset[0])} page ids free, {self._reserved_ids} of them "
-                f"promised to {len(self._seqs)} running sequences{self._on_this_rank()}")
+        pool = self._pool
+        return (f"{len(pool.free_ids)} of {len(self._arena.offset[0])} page ids free, {pool.reserved_ids} of them "
+                f"promised to {len(pool.seqs)} running sequences{self._evictable()}{self._on_this_rank()}")
 
     def _describe_free(self) -> str:
         a = self._arena
         return (f"{len(a.pool)} of {a.num_chunks} chunks free, {a.free_slot_count.sum()} free slots, "
-                f"{a.reserved.sum()} pages promised to {len(self._seqs)} running sequences{self._on_this_rank()}")
+                f"{a.reserved.sum()} pages promised to {len(self._pool.seqs)} running sequences{self._evictable()}"
+                f"{self._on_this_rank()}")
+
+    def _evictable(self) -> str:
+        n = len(self._pool.evictable)
+        return f", {n} evictable cached pages counted as room" if n else ""
 
     def _on_this_rank(self) -> str:
         """What a CacheFullError's description adds under a process group: its figures are this rank's own, the
@@ -697,7 +690,7 @@ class CompressedPagedKVCache:
         beyond = sum(j >= s.budget for s, j in new)  # pages outside their sequence's promise
         need_ids = [(s, j) for s, j in new if j >= s.num_ids]
         ids_beyond = sum(j >= s.budget for s, j in need_ids)
-        ids_short = ids_beyond > len(self._free_ids) - self._reserved_ids
+        ids_short = self._pool.ids_short(ids_beyond)
         fits = self._arena.fits(layers, beyond)
         # Within the budgets every rank fits (promises). Beyond them the ranks agree, which they reach together:
         # ``beyond`` and ``ids_beyond`` come from lengths and budgets, the same on every rank.
@@ -719,10 +712,7 @@ class CompressedPagedKVCache:
             raise CacheFullError(f"{self._what(layers, batch)} needs {len(new)} new raw pages{where}, {beyond} of "
                                  f"them beyond the sequences' budgets, but only {free} can be taken{where} without "
                                  f"breaking promises ({self._describe_free()})", requested=beyond, free=free, unit=unit)
-        for s, j in need_ids:
-            s.push(self._free_ids.pop())
-            if j < s.budget:
-                self._reserved_ids -= 1
+        self._pool.give_ids(need_ids)
         pids = np.array([s.pages[j] for s, j in new], dtype=np.int32)
         self._arena.reserved[layers] -= len(new) - beyond
         slots = self._arena.place_raw(layers, pids)  # [layers, pages]
@@ -735,14 +725,6 @@ class CompressedPagedKVCache:
         if layers == slice(None):
             return f"prepare_step: a decode step of sequences {list(batch.key)}"
         return f"append to layer {layers.start}:"
-
-    def _seq(self, seq_id) -> _Seq:
-        if not is_int(seq_id):
-            raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise ValueError(f"seq_id {seq_id!r} is not a running sequence of this cache") from None
 
     def _check_layer(self, layer) -> None:
         if not is_int(layer):

@@ -329,24 +329,50 @@ def jsonl_load(requests: list[dict], rate: float, seed: int):
         yield {**req, "arrival": arrival}
 
 
-def synthetic_load(num_prompts: int, prompt_len: int, gen_len: int, vocab_size: int, rate: float, seed: int):
+def synthetic_load(num_prompts: int, prompt_len: int, gen_len: int, vocab_size: int, rate: float, seed: int, *,
+                   shared_prefix_len: int = 0, num_prefixes: int = 1, turns: int = 1):
     """``num_prompts`` requests of ``prompt_len`` random ids generating ``gen_len`` tokens each, with their arrival
-    times, each made when asked for: a load of any size takes no memory up front. The same on every rank."""
+    times, each made when asked for: a load of any size takes no memory up front. The same on every rank.
+
+    ``shared_prefix_len``: each prompt starts with one of ``num_prefixes`` random prefixes of that many tokens (drawn
+    at random), as requests sharing a system prompt do. ``turns`` > 1: each request opens a conversation, whose later
+    turns :func:`chat_follow_up` makes (request indices leave room for them)."""
     rng = random.Random(seed)
     params = SamplingParams(max_new_tokens=gen_len)
     arrivals = poisson_arrivals(rate, rng)
+    prefixes = [[rng.randrange(vocab_size) for _ in range(shared_prefix_len)] for _ in range(num_prefixes)]
     for i in range(num_prompts):
         arrival = next(arrivals)
-        yield {"index": i, "where": f"request {i}", "text": False, "params": params, "arrival": arrival,
-               "prompt": [rng.randrange(vocab_size) for _ in range(prompt_len)]}
+        prefix = prefixes[rng.randrange(num_prefixes)] if num_prefixes > 1 else prefixes[0]
+        yield {"index": i * turns, "where": f"request {i * turns}", "text": False, "params": params,
+               "arrival": arrival, "turn": 0, "prompt": prefix + [rng.randrange(vocab_size) for _ in range(prompt_len)]}
+
+
+def chat_follow_up(turns: int, message_len: int, vocab_size: int, seed: int):
+    """For a multi-turn chat load: ``follow_up(request, output)`` is the conversation's next turn once ``request``
+    finished with ``output`` (its prompt, its answer, then a new message of ``message_len`` random ids), or None after
+    the last of ``turns``. It arrives at once; every rank makes the same turns (they finish in the same order)."""
+    rng = random.Random(f"{seed} chat")
+
+    def follow_up(req: dict, out) -> dict | None:
+        if req["turn"] + 1 >= turns:
+            return None
+        index = req["index"] + 1
+        message = [rng.randrange(vocab_size) for _ in range(message_len)]
+        return {**req, "index": index, "where": f"request {index}", "turn": req["turn"] + 1,
+                "prompt": list(out.prompt_token_ids) + list(out.token_ids) + message}
+
+    return follow_up
 
 
 class _Lookahead:
-    """An iterator with its next item in view (``head``, None at the end)."""
+    """An iterator with its next item in view (``head``, None at the end), and ``ready``: requests that arrived
+    already (a conversation's next turn), served before the iterator's."""
 
     def __init__(self, items):
         self._items = iter(items)
         self.head = next(self._items, None)
+        self.ready: list[dict] = []
 
     def pop(self):
         item, self.head = self.head, next(self._items, None)
@@ -364,9 +390,9 @@ def _arrivals(engine: Engine, queue: _Lookahead, t0: float) -> list[dict]:
     """The requests that have arrived, the same on every rank: rank 0 reads the clock (when the engine is idle, it
     sleeps until the next arrival) and says how many; every other rank takes that many from its own copy of the
     load."""
-    arrived = []
+    arrived, queue.ready = queue.ready, []  # the same on every rank: made from the same outputs
     if engine.rank == 0:
-        if not engine.has_unfinished() and queue.head is not None:
+        if not engine.has_unfinished() and not arrived and queue.head is not None:
             _sleep_until(t0 + queue.head["arrival"])
         now = time.perf_counter() - t0
         while queue.head is not None and queue.head["arrival"] <= now:
@@ -374,7 +400,7 @@ def _arrivals(engine: Engine, queue: _Lookahead, t0: float) -> list[dict]:
     if engine.process_group is not None:
         count = broadcast_from_first(len(arrived), engine.process_group)
         if engine.rank != 0:
-            arrived = [queue.pop() for _ in range(count)]
+            arrived += [queue.pop() for _ in range(count - len(arrived))]
     return arrived
 
 
@@ -397,12 +423,13 @@ def _percentiles(xs: list) -> dict:
 
 
 def serve(engine: Engine, load, *, total: int | None = None, on_result=None, on_refused=None,
-          progress: bool = True) -> dict:
+          progress: bool = True, follow_up=None) -> dict:
     """Feed the requests of ``load`` (dicts with ``prompt``, ``params``, ``arrival`` in seconds from the start,
     ``index``; in arrival order) to ``engine`` at their arrival times and step it until all finish. Returns the run's
     summary. ``on_result(row)`` gets each finished request's result as it finishes; ``on_refused(request, error)``
     each request the engine refuses when it is added (ValueError: the engine changes nothing and serves the others),
-    and may raise to stop the run. ``total``: the number of requests, for the progress bar.
+    and may raise to stop the run. ``total``: the number of requests, for the progress bar. ``follow_up(request,
+    output)``: the request that arrives when ``request`` finishes (a chat's next turn), or None.
 
     Under tensor parallelism every rank calls this with the same ``load``: rank 0 reads the clock and says how many
     requests have arrived (the one decision that could differ between ranks), then every rank adds them and steps."""
@@ -417,7 +444,7 @@ def serve(engine: Engine, load, *, total: int | None = None, on_result=None, on_
     bar = tqdm(total=total if total is not None and total < 2**53 else None, unit="req", disable=not progress,
                dynamic_ncols=True)
     try:
-        while queue.head is not None or engine.has_unfinished():
+        while queue.head is not None or queue.ready or engine.has_unfinished():
             for req in _arrivals(engine, queue, t0):
                 try:
                     live[engine.add_request(req["prompt"], req["params"])] = req
@@ -433,7 +460,11 @@ def serve(engine: Engine, load, *, total: int | None = None, on_result=None, on_
                 if out.new_token_ids:
                     first.setdefault(out.request_id, now)
                 if out.finished:
-                    row = _result(live.pop(out.request_id), out, first.pop(out.request_id, now), now)
+                    req = live.pop(out.request_id)
+                    row = _result(req, out, first.pop(out.request_id, now), now)
+                    nxt = None if follow_up is None or out.finish_reason != "length" else follow_up(req, out)
+                    if nxt is not None:
+                        queue.ready.append({**nxt, "arrival": now})
                     ttfts.append(row["ttft_s"])
                     tpots.append(row["tpot_s"])
                     served += 1
@@ -457,6 +488,8 @@ def serve(engine: Engine, load, *, total: int | None = None, on_result=None, on_
     return {"requests": served, "refused": refused, "elapsed_s": elapsed, "generated_tokens": generated,
             "output_tokens_per_s": generated / elapsed, "ttft_s": _percentiles(ttfts), "tpot_s": _percentiles(tpots),
             "largest_batch": s["largest_batch"], "steps": s["steps"],
+            "prefix_caching": engine.scheduler.prefix_caching, "prefix_hit_rate": s["prefix_hit_rate"],
+            "prefix_cached_tokens": s["prefix_cached_tokens"], "prefix_hits": s["prefix_hits"],
             "kv_ratio_mean": ratio_sum / ratio_steps if ratio_steps else 1.0, "kv_bytes_total": s["kv_bytes_total"],
             "cuda_graphs": s["cuda_graphs"]}
 
@@ -544,8 +577,16 @@ def _ranks_arg(args, world: int | None) -> str:
 def check_args(parser, args, world: int | None) -> torch.device:
     """Every check of the arguments on their own (no file read, no model), before anything loads; returns --device.
     ``world``: the number of torchrun processes, None outside torchrun."""
-    for name in ("num_prompts", "prompt_len", "gen_len", "prefill_chunk", "tp", "max_kv_bytes"):
+    for name in ("num_prompts", "prompt_len", "gen_len", "prefill_chunk", "tp", "max_kv_bytes", "num_prefixes",
+                 "turns"):
         _check_int(parser, args, name, 1)
+    _check_int(parser, args, "shared_prefix_len", 0)
+    synthetic_only = [_flag(n) for n, default in (("shared_prefix_len", 0), ("num_prefixes", 1), ("turns", 1))
+                      if getattr(args, n) != default]
+    if args.prompts is not None and synthetic_only:
+        parser.error(f"{', '.join(synthetic_only)}: shape the synthetic load, not --prompts")
+    if args.num_prefixes > 1 and not args.shared_prefix_len:
+        parser.error(f"--num-prefixes {args.num_prefixes} needs --shared-prefix-len (the prefixes' length)")
     _check_int(parser, args, "max_batch", 1, MAX_BATCH)
     _check_int(parser, args, "seed", 0, MAX_SEED)
     if not args.arrival_rate > 0:  # also NaN
@@ -603,9 +644,15 @@ def check_load(parser, args, limits: ModelLimits | None, num_requests: int, worl
                      f"{MAX_LOAD_SPAN_S // 86400} days; give a higher rate")
     if limits is None:
         return
-    if not args.prompts and limits.max_len is not None and args.prompt_len + args.gen_len > limits.max_len:
-        parser.error(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = {args.prompt_len + args.gen_len} "
-                     f"exceeds the model's context of {limits.max_len} tokens (max_position_embeddings)")
+    longest = args.shared_prefix_len + args.turns * (args.prompt_len + args.gen_len)  # the last turn, all told
+    if not args.prompts and limits.max_len is not None and longest > limits.max_len:
+        what = f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}"
+        if args.turns > 1:
+            what = f"--turns {args.turns} x ({what})"
+        if args.shared_prefix_len:
+            what = f"--shared-prefix-len {args.shared_prefix_len} + {what}"
+        parser.error(f"{what} = {longest} exceeds the model's context of {limits.max_len} tokens "
+                     "(max_position_embeddings)")
     ranks = world or args.tp or 1
     if ranks > limits.num_kv_heads:
         parser.error(f"{_ranks_arg(args, world)}: each rank holds a share of the model's {limits.num_kv_heads} KV "
@@ -640,6 +687,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=32, help="synthetic requests (made as they arrive)")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per synthetic prompt")
     parser.add_argument("--gen-len", type=int, default=64, help="tokens per request (the default for --prompts)")
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="synthetic load: tokens of a shared prefix (a system prompt) before each prompt's own "
+                             "--prompt-len")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="synthetic load: distinct shared prefixes, each request drawing one at random")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="synthetic load: a multi-turn chat of --num-prompts conversations; each turn's prompt is "
+                             "the previous turn's prompt, its answer and --prompt-len new tokens, arriving when the "
+                             "previous turn finishes")
     parser.add_argument("--arrival-rate", type=float, default=float("inf"),
                         help=f"requests/s (inf: all at once); a load arriving over more than "
                              f"{MAX_LOAD_SPAN_S // 86400} days is refused")
@@ -648,6 +704,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--memory-fraction", type=float, default=None,
                         help="KV cache budget as a fraction of the free GPU memory, in (0, 1] (CUDA only)")
     parser.add_argument("--no-compress", action="store_true", help="keep every KV page raw")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="prefill every prompt whole (by default a prompt starts from the cached pages of an "
+                             "earlier one that shares its prefix)")
     parser.add_argument("--max-batch", type=int, default=None, help=f"requests running at once, 1 to {MAX_BATCH}")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -673,7 +732,7 @@ def build_engine(parser, args, model, tokenizer) -> Engine:
         return Engine(model, max_kv_bytes=args.max_kv_bytes, memory_fraction=args.memory_fraction,
                       compress=not args.no_compress, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                       cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
-                      tokenizer=tokenizer, seed=args.seed)
+                      tokenizer=tokenizer, seed=args.seed, prefix_caching=not args.no_prefix_caching)
     except (ValueError, torch.OutOfMemoryError) as e:
         # Every other argument was checked: what the engine can still refuse is the KV budget, too small for one
         # chunk of this model's pages, or more than the device can allocate.
@@ -704,7 +763,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = read_config(parser, model_name, directory, gguf)
     limits = None if config is None else ModelLimits.of(config)
     requests = None if args.prompts is None else read_prompts(parser, args.prompts, args.gen_len, limits)
-    num_requests = args.num_prompts if requests is None else len(requests)
+    num_requests = args.num_prompts * args.turns if requests is None else len(requests)
     check_load(parser, args, limits, num_requests, world)
     if world is None and ranks > 1:  # checked here once, before N processes start
         return _launch(ranks, sys.argv[1:] if argv is None else argv)
@@ -718,17 +777,27 @@ def main(argv: list[str] | None = None) -> dict:
     if requests is not None:
         prepare_requests(args.prompts, requests, tok, limits, model_name)
     engine = build_engine(parser, args, model, tok)
+    follow_up = None
     if requests is None:
         load = synthetic_load(args.num_prompts, args.prompt_len, args.gen_len, limits.vocab_size, args.arrival_rate,
-                              args.seed)
+                              args.seed, shared_prefix_len=args.shared_prefix_len, num_prefixes=args.num_prefixes,
+                              turns=args.turns)
+        if args.turns > 1:
+            follow_up = chat_follow_up(args.turns, args.prompt_len, limits.vocab_size, args.seed)
+            last = args.shared_prefix_len + args.turns * (args.prompt_len + args.gen_len) - args.gen_len
+            if not engine.kv.capacity(last, args.gen_len).requests:  # refused part way through: say so up front
+                parser.error(f"--turns {args.turns}: the last turn's prompt ({last} tokens) + --gen-len "
+                             f"{args.gen_len} is more than the engine's KV cache holds; raise --max-kv-bytes / "
+                             "--memory-fraction or shorten the load")
     else:
         load = jsonl_load(requests, args.arrival_rate, args.seed)
     out = _OutFile(args.out if rank == 0 else None)  # rank 0 reports for all (every rank serves the same requests)
 
     def refused(req: dict, error: ValueError) -> None:
         if requests is None:  # every synthetic request has this size: nothing can be served
-            raise _SyntheticRefused(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: the engine refuses "
-                                    f"the requests ({_one_line(error)})")
+            prefix = f"--shared-prefix-len {args.shared_prefix_len} + " if args.shared_prefix_len else ""
+            raise _SyntheticRefused(f"{prefix}--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: the engine "
+                                    f"refuses the requests ({_one_line(error)})")
         if rank == 0:
             from tqdm import tqdm
 
@@ -738,7 +807,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         summary = serve(engine, load, total=num_requests, on_result=out.write, on_refused=refused,
-                        progress=not args.no_progress and rank == 0)
+                        progress=not args.no_progress and rank == 0, follow_up=follow_up)
     except _SyntheticRefused as e:  # reported once serve has taken its progress bar down
         parser.error(str(e))
     finally:
@@ -755,7 +824,10 @@ def print_summary(summary: dict, *, compressed: bool) -> None:
           f"{summary['elapsed_s']:.2f} s: {summary['output_tokens_per_s']:.1f} tokens/s\n"
           f"time to first token: {ms(summary['ttft_s'])}\ntime per output token: {ms(summary['tpot_s'])}\n"
           f"largest batch {summary['largest_batch']}, KV stored/raw {summary['kv_ratio_mean']:.3f} (mean over steps), "
-          f"KV budget {summary['kv_bytes_total'] / 2**20:.0f} MiB, {'compressed' if compressed else 'raw'}")
+          f"KV budget {summary['kv_bytes_total'] / 2**20:.0f} MiB, {'compressed' if compressed else 'raw'}\n"
+          + (f"prefix cache: {summary['prefix_cached_tokens']} prompt tokens found (hit rate "
+             f"{summary['prefix_hit_rate']:.3f}), {summary['prefix_hits']} requests started from cached pages"
+             if summary["prefix_caching"] else "prefix caching off"))
 
 
 def exit_status(summary: dict) -> int:

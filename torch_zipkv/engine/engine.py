@@ -57,13 +57,16 @@ class Engine:
         seed: seeds the draws of requests that give no seed.
         kv_chunk_bytes: the cache's arena chunk (default: sized from the budget, see
             :class:`~torch_zipkv.CompressedPagedKVCache`).
+        prefix_caching: a request starts from the longest run of its prompt's whole pages the cache holds (another
+            request's, running or finished) and prefills only the rest; finished requests' full pages stay cached
+            until their room is needed (docs/engine.md, "Prefix caching"). False: every prompt is prefilled whole.
     """
 
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
                  compress: bool = True, max_batch: int | None = None, prefill_chunk: int = 512,
                  cuda_graphs: bool | None = None, tokenizer=None, page_size: int = 16, compress_every: int = 8,
                  seed: int = 0, kv_chunk_bytes: int | None = None, compile: bool | None = None,
-                 fuse_projections: bool | None = None):
+                 fuse_projections: bool | None = None, prefix_caching: bool = True):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         check_int("prefill_chunk", prefill_chunk, 1)
@@ -72,8 +75,9 @@ class Engine:
         check_int("max_kv_bytes", max_kv_bytes, 1, optional=True)
         check_int("kv_chunk_bytes", kv_chunk_bytes, 1, optional=True)
         check_int("seed", seed)
-        if not isinstance(compress, bool):
-            raise TypeError(f"compress must be a bool, got {type(compress).__name__}")
+        for name, flag in (("compress", compress), ("prefix_caching", prefix_caching)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         for name, flag in (("cuda_graphs", cuda_graphs), ("compile", compile), ("fuse_projections", fuse_projections)):
             if flag is not None and not isinstance(flag, bool):
                 raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__}")
@@ -111,7 +115,8 @@ class Engine:
             fuse(self.model)  # a shard's DTensor weights are left as they are
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
                                   compile=compile, max_batch=max_batch)
-        self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row)
+        self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row,
+                                   prefix_caching=prefix_caching)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
 
         self._rng = random.Random(seed)
@@ -128,24 +133,27 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *,
-                    kv_source: Callable | None = None) -> int:
+                    kv_source: Callable | None = None, cache_salt: str | bytes | None = None) -> int:
         """Queue a request; returns its id. ``prompt_ids``: a list of ints or a 1-D integer tensor (a str needs the
         engine's tokenizer). ``kv_source`` (benchmarks): ``kv_source(layer) -> (k, v)``, each bf16
         [len(prompt_ids) - 1, num_kv_heads, head_dim] on the cache's device, appended at admission instead of
         running the prompt through the model; the first decode step then feeds ``prompt_ids[-1]``. If it returns a
         wrong tensor (ValueError) or raises, the :meth:`step` that admits the request aborts it (its last output,
-        reason "abort", comes with a later step) and raises that error; the engine keeps serving the others."""
-        return self._add_checked(*self._check_request(prompt_ids, params, kv_source), kv_source)
+        reason "abort", comes with a later step) and raises that error; the engine keeps serving the others.
+        ``cache_salt``: the prefix cache's namespace for this request (anything besides the tokens that changes their
+        K/V, e.g. an adapter, or a tenant whose pages others must not reuse): it finds only pages of requests with
+        the same salt (None: the engine's shared namespace)."""
+        return self._add_checked(*self._check_request(prompt_ids, params, kv_source, cache_salt), kv_source, cache_salt)
 
-    def _add_checked(self, prompt: list[int], params: SamplingParams, kv_source=None) -> int:
+    def _add_checked(self, prompt: list[int], params: SamplingParams, kv_source=None, cache_salt=None) -> int:
         seed = self._rng.getrandbits(32) if params.seed is None else seed32(params.seed)
         rid = self._next_id
-        self._enqueue(rid, prompt, params, seed, kv_source)
+        self._enqueue(rid, prompt, params, seed, kv_source, cache_salt)
         if self._tp is not None:
-            self._tp.record(("add", rid, tuple(prompt), params, seed, kv_source is not None))
+            self._tp.record(("add", rid, tuple(prompt), params, seed, kv_source is not None, cache_salt))
         return rid
 
-    def _check_request(self, prompt_ids, params, kv_source=None) -> tuple[list[int], SamplingParams]:
+    def _check_request(self, prompt_ids, params, kv_source=None, cache_salt=None) -> tuple[list[int], SamplingParams]:
         """The prompt as a list of ids and the params, or the error that refuses the request (nothing changes)."""
         if params is None:
             params = SamplingParams()
@@ -153,6 +161,8 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if kv_source is not None and not callable(kv_source):
             raise TypeError(f"kv_source must be callable (layer -> (k, v)), got {type(kv_source).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+            raise TypeError(f"cache_salt must be None, a str or bytes, got {type(cache_salt).__name__}")
         prompt = self._prompt_list(prompt_ids)
         total = len(prompt) + params.max_new_tokens
         if self.max_model_len is not None and total > self.max_model_len:
@@ -165,9 +175,10 @@ class Engine:
                              "raise max_kv_bytes / memory_fraction or shorten the request")
         return prompt, params
 
-    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None) -> None:
+    def _enqueue(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None,
+                 cache_salt=None) -> None:
         self._next_id = rid + 1
-        self.scheduler.add(rid, prompt, params, seed, kv_source)
+        self.scheduler.add(rid, prompt, params, seed, kv_source, cache_salt)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request (waiting or running). Its last :class:`RequestOutput` (finish reason "abort") comes with
@@ -304,9 +315,13 @@ class Engine:
         ``kv_bytes_total`` (the cache's budget: arena + meta), ``kv_bytes_free`` (free chunks), ``kv_bytes_stored`` /
         ``kv_bytes_raw`` (live pages as stored / as BF16), ``kv_ratio``, ``largest_batch`` (decode rows in one step so
         far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured),
-        ``decode_setup_s`` (seconds spent compiling the decode forward and capturing its graphs)."""
-        s = self.kv.stats()
-        running = self.scheduler.running
+        ``decode_setup_s`` (seconds spent compiling the decode forward and capturing its graphs); prefix caching:
+        ``prefix_cached_tokens`` (prompt tokens found in the cache at admission: the prefill tokens saved),
+        ``prefix_hit_rate`` (their share of the prompt tokens admitted), ``prefix_hits`` (requests that found a
+        prefix), and the cache's pages as stored, ``kv_bytes_cached`` (findable), ``kv_bytes_shared`` (held by two
+        requests or more), ``kv_bytes_evictable`` (held by none: room admission may take)."""
+        s, sched = self.kv.stats(), self.scheduler
+        running = sched.running
         prefilling = sum(r.state == "prefill" for r in running)
         graphs = self.runner.graphs
         return {"running": len(running), "prefilling": prefilling, "decoding": len(running) - prefilling,
@@ -315,7 +330,11 @@ class Engine:
                 "kv_bytes_raw": s["raw_bytes"], "kv_ratio": s["ratio"], "largest_batch": self._largest_batch,
                 "steps": self._steps, "generated_tokens": self._generated, "prefilled_tokens": self._prefilled,
                 "cuda_graphs": 0 if graphs is None else graphs.graphs,
-                "decode_setup_s": 0.0 if graphs is None else graphs.setup_s}
+                "decode_setup_s": 0.0 if graphs is None else graphs.setup_s,
+                "prefix_cached_tokens": sched.cached_tokens, "prefix_hits": sched.hits,
+                "prefix_hit_rate": sched.cached_tokens / sched.prompt_tokens if sched.prompt_tokens else 0.0,
+                "kv_bytes_cached": s["cached_bytes"], "kv_bytes_shared": s["shared_bytes"],
+                "kv_bytes_evictable": s["evictable_bytes"]}
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _prompt_list(self, prompt_ids) -> list[int]:

@@ -1,7 +1,8 @@
 """The engine's scheduler: requests, the FCFS queue, admission against the KV cache's promises, what each step
 prefills and decodes, finishing, and the outputs each step reports. Host only: no model, no device tensors, so it
 can be driven and tested with a bare :class:`~torch_zipkv.CompressedPagedKVCache` (or anything with its
-``add_sequence`` / ``free_sequence``)."""
+``add_sequence`` / ``free_sequence``, and ``match_prefix`` / ``cache_pages`` / ``seq_len`` / ``page_size`` with
+prefix caching)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import deque
 from typing import Callable
 
 from ..cache import CacheFullError
+from ..page_pool import page_hashes
 from .params import RequestOutput, SamplingParams
 
 
@@ -16,10 +18,12 @@ class Request:
     """One request's life: waiting -> prefill -> decode -> finished (a ``kv_source`` request skips prefill)."""
 
     __slots__ = ("rid", "prompt", "params", "seed", "kv_source", "seq_id", "slot", "state", "prefilled", "launched",
-                 "tokens", "emitted", "reason", "stops")
+                 "tokens", "emitted", "reason", "stops", "keys", "cached", "salt")
 
-    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None):
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None,
+                 cache_salt: str | bytes | None = None):
         self.rid, self.prompt, self.params, self.seed, self.kv_source = rid, prompt, params, seed, kv_source
+        self.salt = cache_salt or b""  # the prefix cache's namespace: requests find only pages of the same salt
         self.seq_id: int | None = None  # in the paged cache, once admitted
         self.slot: int | None = None  # row of the runner's device tables, once admitted
         self.state = "waiting"
@@ -29,6 +33,8 @@ class Request:
         self.emitted = 0  # tokens already reported
         self.reason: str | None = None
         self.stops = frozenset(params.stop_token_ids)
+        self.keys: list[bytes] = []  # the chained keys of the prompt's full pages (prefix caching)
+        self.cached = 0  # prompt tokens found in the prefix cache at admission: never prefilled
 
     @property
     def wants_decode(self) -> bool:
@@ -43,18 +49,31 @@ class Scheduler:
     caps the requests admitted at once. ``release(request)`` gives back what the caller attached to an admitted
     request (the runner's table row) when it finishes or is aborted; the scheduler frees its pages.
 
+    With ``prefix_caching``, admission starts a request from the longest run of its prompt's whole pages that the
+    cache holds (``match_prefix``), and only the rest is prefilled; at least its last prompt token is, whose logits
+    give the first token. Its budget then counts only its own pages (the prefix pages are held, not charged). The
+    pages a request fills become findable as soon as they are full in every layer: prompt pages after each prefill
+    chunk, generated ones when it ends. What is found depends only on token ids and on the cache's host state, which
+    every tensor-parallel rank replays identically, so every rank finds the same pages. A ``kv_source`` request
+    neither finds nor leaves pages: its K/V are not the model's.
+
     Outputs: :meth:`report` returns each request's new tokens once, and its finished output exactly once."""
 
-    def __init__(self, kv, *, max_batch: int | None = None, release: Callable[[Request], None] = lambda r: None):
-        self.kv, self.max_batch, self.release = kv, max_batch, release
+    def __init__(self, kv, *, max_batch: int | None = None, release: Callable[[Request], None] = lambda r: None,
+                 prefix_caching: bool = False):
+        self.kv, self.max_batch, self.release, self.prefix_caching = kv, max_batch, release, prefix_caching
+        self.prompt_tokens = 0  # of the requests admitted with prefix caching
+        self.cached_tokens = 0  # of those, found in the cache
+        self.hits = 0  # requests admitted with a prefix found
         self.requests: dict[int, Request] = {}  # every request not yet reported finished
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, in admission order (prefill or decode)
         self.finished: list[Request] = []  # finished, not yet reported
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None) -> Request:
-        req = Request(rid, prompt, params, seed, kv_source)
+    def add(self, rid: int, prompt: list[int], params: SamplingParams, seed: int, kv_source=None,
+            cache_salt=None) -> Request:
+        req = Request(rid, prompt, params, seed, kv_source, cache_salt)
         self.requests[rid] = req
         self.waiting.append(req)
         return req
@@ -85,15 +104,39 @@ class Scheduler:
             if self.max_batch is not None and len(self.running) >= self.max_batch:
                 return
             req = self.waiting[0]
+            prefix = self._find_prefix(req)
             try:
-                req.seq_id = self.kv.add_sequence(prompt_len=len(req.prompt),
-                                                  max_new_tokens=req.params.max_new_tokens)
+                req.seq_id = self.kv.add_sequence(prompt_len=len(req.prompt), max_new_tokens=req.params.max_new_tokens,
+                                                  **({"prefix": prefix} if self._caches(req) else {}))
             except CacheFullError:
                 return
             self.waiting.popleft()
             self.running.append(req)
             req.state = "prefill"
+            if self._caches(req):
+                req.prefilled = req.cached = len(prefix) * self.kv.page_size
+                self.prompt_tokens += len(req.prompt)
+                self.cached_tokens += req.cached
+                self.hits += bool(prefix)
             yield req
+
+    def _caches(self, req: Request) -> bool:
+        return self.prefix_caching and req.kv_source is None
+
+    def _find_prefix(self, req: Request) -> list[int]:
+        """The cached pages ``req`` starts from: the longest run of its prompt's whole pages but the last token's."""
+        if not self._caches(req):
+            return []
+        if not req.keys:
+            req.keys = page_hashes(req.prompt, self.kv.page_size, req.salt)
+        return self.kv.match_prefix(req.keys[: (len(req.prompt) - 1) // self.kv.page_size])
+
+    def _cache_pages(self, req: Request) -> None:
+        """Make ``req``'s full pages findable: of the prompt and of the generated tokens fed back so far (every token
+        the cache holds was read back before: it was sampled a step before it was fed)."""
+        if self._caches(req) and req.seq_id is not None:
+            held = (req.prompt + req.tokens)[: self.kv.seq_len(0, req.seq_id)]
+            self.kv.cache_pages(req.seq_id, page_hashes(held, self.kv.page_size, req.salt, previous=req.keys))
 
     def decoding(self) -> list[Request]:
         """The running requests that decode one token this step."""
@@ -116,6 +159,7 @@ class Scheduler:
         """``n`` more prompt tokens of ``req`` are in the cache; True when that completes the prompt (the caller
         then launches its first token: see :meth:`launched`) and the request decodes from the next step."""
         req.prefilled += n
+        self._cache_pages(req)
         if req.prefilled < len(req.prompt):
             return False
         req.state = "decode"
@@ -142,6 +186,7 @@ class Scheduler:
         """Finish an admitted request: free its pages and what ``release`` gives back (the device work queued
         before that reads them runs first: one stream)."""
         if req.seq_id is not None:
+            self._cache_pages(req)
             self.kv.free_sequence(req.seq_id)
             req.seq_id = None
         self.release(req)

@@ -33,7 +33,7 @@ class RankSync:
         self.state_digest = b""  # of this rank's state after the last step
 
     def record(self, event: tuple) -> None:
-        """``("add", rid, prompt tuple, params, seed, has kv_source)`` or ``("abort", rid)``."""
+        """``("add", rid, prompt tuple, params, seed, has kv_source, cache_salt)`` or ``("abort", rid)``."""
         self._log.append(event)
 
     def sync(self, step: int) -> None:
@@ -70,7 +70,7 @@ class RankSync:
                 if e[0] == "add":
                     if e[3].seed is None:
                         self._draw_seed()
-                    self._replay_add(e[1], list(e[2]), e[3], e[4])
+                    self._replay_add(e[1], list(e[2]), e[3], e[4], cache_salt=e[6])
                 else:
                     self._replay_abort(e[1])
 
