@@ -379,7 +379,8 @@ class EngineJob:
                      "floor_ms_per_step": nbytes["total"] / self.rate * 1e3}
         # Tokens per second of the batch that ran (it equals ``batch`` unless the warning below says otherwise).
         row = {"batch": running0, "steps": spec["steps"], "wall_ms_per_step": wall * 1e3, "tok_s": running0 / wall,
-               "step_call_ms": call_ms, "gpu": prof, "engine_stats": jsonable(st), "floor": floor}
+               "step_call_ms": call_ms, "step_call_ms_each": [round(h * 1e3, 3) for h in host[:spec["steps"]]],
+               "gpu": prof, "engine_stats": jsonable(st), "floor": floor}
         if prof and "kernel_ms_per_step" in prof:
             row["wall_over_kernel"] = wall * 1e3 / prof["kernel_ms_per_step"]
             row["wall_over_busy"] = wall * 1e3 / prof["busy_ms_per_step"]

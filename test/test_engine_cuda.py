@@ -15,6 +15,8 @@ from torch_zipkv.engine import Engine, SamplingParams  # noqa: E402
 from conftest import require_smollm2, requires_cuda  # noqa: E402
 from engine_reference import Reference  # noqa: E402
 from hf_models import small_model  # noqa: E402
+from test_engine import prompts_of, run_all  # noqa: E402
+from test_engine_prefix import shared_prompts  # noqa: E402
 
 pytestmark = requires_cuda
 
@@ -68,6 +70,31 @@ def test_graphs_replay_deterministically_with_sampling():
     for i in range(0, 5, 2):
         ref.check(prompts[i], runs[0][i])
         ref.check(prompts[i], runs[2][i])
+
+
+def test_prefix_caching_on_cuda_matches_caching_off_and_generate():
+    """Prefix caching under the engine's default GPU decode step (compiled, in CUDA Graphs) and the CUDA paged_prefill:
+    prompts over two shared prefixes arriving at random steps give the tokens of caching off and of transformers'
+    own generate (up to bf16 ties, as the compiled step rounds); later arrivals hit the cache, and 16-token chunks
+    (one page) make every hit's rest a prefill over cached, compressed pages."""
+    model = small_model("llama").cuda()
+    ref = Reference(model)
+    rng = random.Random(5)
+    prompts = shared_prompts(rng, prompts_of(rng, [48, 48]), 10)
+    arrivals = [(rng.randint(0, 30), p, SamplingParams(max_new_tokens=rng.randint(1, 24))) for p in prompts]
+    finals = {}
+    for caching in (True, False):
+        eng = Engine(model, max_kv_bytes=64 << 20, kv_chunk_bytes=256 << 10, prefill_chunk=16, compress_every=1,
+                     prefix_caching=caching)
+        outs = run_all(eng, arrivals)
+        finals[caching] = {tuple(o[-1].prompt_token_ids): o[-1].token_ids for o in outs.values()}
+        stats = eng.stats()
+        assert stats["cuda_graphs"] >= 1 and stats["running"] == 0
+        assert (stats["prefix_hits"] >= 2 and stats["prefix_cached_tokens"] >= 32) if caching else \
+            stats["prefix_hits"] == 0
+    for prompt, tokens in finals[True].items():
+        ref.check(list(prompt), tokens, ulps=4)
+        ref.check(list(prompt), finals[False][prompt], ulps=4)
 
 
 def test_smollm2_on_cuda_matches_generate():

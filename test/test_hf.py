@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import torch_zipkv  # noqa: E402
 from torch_zipkv.integrations.transformers import ZipKVCache, cache_kwarg  # noqa: E402  (registers "zipkv")
 
-from conftest import require_smollm2  # noqa: E402
+from conftest import require_smollm2, requires_cuda  # noqa: E402
 from hf_models import padded_batch, small_model, teacher_forced_logits  # noqa: E402
 import demo  # noqa: E402  (examples/demo.py: the yardstick it states, its bound and tie rule)
 from demo import GAP_BOUND, bf16_step  # noqa: E402
@@ -229,7 +229,7 @@ def continued_logits(model, impl: str, ids, mask, forced, more, cache=None) -> t
     mask = torch.cat([mask, mask.new_ones(mask.shape[0], forced.shape[1])], 1)
     pos = (mask.long().cumsum(-1) - 1)[:, -1:]
     more_mask = torch.cat([mask, mask.new_ones(mask.shape[0], more.shape[1])], 1)
-    more_pos = pos + 1 + torch.arange(more.shape[1])
+    more_pos = pos + 1 + torch.arange(more.shape[1], device=more.device)
     logits = [model(input_ids=more, attention_mask=more_mask, position_ids=more_pos, **kw).logits]
     step_mask = torch.cat([more_mask, more_mask.new_ones(mask.shape[0], 1)], 1)
     logits.append(model(input_ids=more[:, -1:], attention_mask=step_mask, position_ids=more_pos[:, -1:] + 1,
@@ -237,15 +237,16 @@ def continued_logits(model, impl: str, ids, mask, forced, more, cache=None) -> t
     return torch.cat([first, *logits], 1).float()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
-def test_prefill_into_a_non_empty_cache_continues(arch, gen):
+def test_prefill_into_a_non_empty_cache_continues(arch, device, gen):
     """A second multi-token call on the same cache (a conversation's next turn: 23 tokens after a left-padded prompt
     and 5 decode steps, with a 16-token window for the sliding layers, Gemma 2's soft cap) attends to the stored
-    tokens from the pages in place: its logits, and the next decode step's, match transformers' default cache doing
-    the same, within :func:`reference_and_tolerance`'s tolerance."""
-    model = small_model(arch, **({} if arch == "qwen3" else {"sliding_window": 16}))
-    ids, mask, forced = padded_batch(gen, [24, 15], 5)
-    more = torch.randint(0, 512, (2, 23), generator=gen)
+    tokens from the pages in place (zipkv::paged_prefill): its logits, and the next decode step's, match
+    transformers' default cache doing the same, within :func:`reference_and_tolerance`'s tolerance."""
+    model = small_model(arch, **({} if arch == "qwen3" else {"sliding_window": 16})).to(device)
+    ids, mask, forced = (t.to(device) for t in padded_batch(gen, [24, 15], 5))
+    more = torch.randint(0, 512, (2, 23), generator=gen).to(device)
     _, tol = reference_and_tolerance(model, ids, mask, forced)
     impl = "sdpa" if model._supports_sdpa else "eager"
     ref = continued_logits(model, impl, ids, mask, forced, more)
