@@ -13,7 +13,11 @@
 // the last tile exit. So the op never syncs and a CUDA Graph replays it with any q lengths of the same nnz_q.
 //
 // Per chunk of kKV key tokens (a whole number of 16-token tiles): each warp starts cp.async copies of its blocks,
-// still compressed, into a staging area; the copies of chunk i + 1 fly while chunk i is multiplied. Then each warp
+// still compressed, into a staging area; the copies of chunk i + 1 fly while chunk i is multiplied. Where a block
+// lies (page id, meta row, descriptor, offset) is a chain of dependent loads: thread j finds block j of a chunk, all
+// blocks at once, with the page ids loaded a chunk ahead, into a plan in shared memory that the copies read. (Found
+// block by block inside each warp's copy loop, the chains ran one after another: 13 us a chunk on the H200, 12x
+// FlashInfer's time, raw pages as slow as compressed ones.) Then each warp
 // rebuilds its staged blocks into bf16 (block_io.cuh decode_lane: the lane's words in mma A-operand order) and
 // stmatrix puts them in natural [token][dim] order into the K and V tiles. S = Q K^T and O += P V follow
 // FlashAttention-2: Q fragments by ldmatrix, K fragments by ldmatrix, V by ldmatrix.trans, P from S's accumulators in
@@ -70,8 +74,10 @@ struct Cfg {
   static constexpr int kQBytes = kRows * kStride * 2;
   static constexpr int kKVBytes = kKV * kStride * 2;
   static constexpr int kDescBytes = (kBlocks + 15) / 16 * 16;
-  static constexpr int kSmemBytes = kStageBytes + kQBytes + 2 * kKVBytes + kDescBytes;
+  static constexpr int kPlanBytes = 2 * (kBlocks * 8 + kDescBytes);  // two chunks' plans: offsets, descriptors
+  static constexpr int kSmemBytes = kStageBytes + kQBytes + 2 * kKVBytes + kPlanBytes;
   static_assert(kBlocks % kWarps == 0, "the warps share a chunk's blocks evenly");
+  static_assert(kBlocks <= kThreads, "a thread finds each block of a chunk");
   static_assert(kSmemBytes <= 113 * 1024, "two CTAs fit on an SM");
 };
 
@@ -124,39 +130,62 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------- KV chunk
-// Starts the copies of block j of the chunk at key token c0 (still in the format) into its 1 KB of staging, and
-// records its descriptor (kDescSkip past the CTA's keys, kDescBad for a refused block). Every lane computes the same
-// address; each copies its 16 positions: 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
+// Block j of the chunk at key token c0: which of the chunk's 16-token tiles, K or V, which 32-dim span.
 template <int D>
-__device__ __forceinline__ void issue_block(const Params& p, int head, int kv_first_page, int64_t c0, int64_t hi, int j,
-                                            uint8_t* stage, uint8_t* descs, int lane) {
-  using C = Cfg<D>;
-  const int tile = j / (2 * C::kSpans), is_v = (j / C::kSpans) % 2, span = j % C::kSpans;
-  const int64_t tok = c0 + int64_t{tile} * kTileTokens;
+struct BlockOf {
+  int tile, is_v, span;
+  __device__ __forceinline__ explicit BlockOf(int j)
+      : tile(j / (2 * Cfg<D>::kSpans)), is_v((j / Cfg<D>::kSpans) % 2), span(j % Cfg<D>::kSpans) {}
+};
+
+// The page id of block j of the chunk at c0, loaded a chunk before it is used; -1 past the CTA's keys [.., hi).
+template <int D>
+__device__ __forceinline__ int32_t block_page(const Params& p, int kv_first_page, int64_t c0, int64_t hi, int j) {
+  const int64_t tok = c0 + int64_t{BlockOf<D>(j).tile} * kTileTokens;
+  return tok < hi ? __ldg(p.kv_indices + kv_first_page + tok / p.page_size) : -1;
+}
+
+// Plans block j of the chunk at c0 from its page id: its descriptor (kDescSkip past the CTA's keys, kDescBad for a
+// refused page or meta row) and its byte offset in data.
+template <int D>
+__device__ __forceinline__ void plan_block(const Params& p, int head, int64_t c0, int64_t hi, int j, int32_t page,
+                                           uint8_t* desc_out, int64_t* src_out) {
+  const BlockOf<D> blk(j);
+  const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
   uint8_t desc = kDescSkip;
+  int64_t src = 0;
   if (tok < hi) {
     desc = kDescBad;
-    const int32_t page = __ldg(p.kv_indices + kv_first_page + tok / p.page_size);
     if (page >= 0 && page < p.num_pages) {
-      const int32_t* row = p.meta + ((int64_t{page} * 2 + is_v) * p.H + head) * p.words;
+      const int32_t* row = p.meta + ((int64_t{page} * 2 + blk.is_v) * p.H + head) * p.words;
       int64_t start;
       int nbytes;
       if (read_stream(row, p.page_size, D, p.data_bytes, &start, &nbytes) == kStreamOk) {
-        const int b = static_cast<int>(tok % p.page_size) / kTileTokens * C::kSpans + span;
+        const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
         const uint8_t* d = row_descriptors(row);
         desc = d[b];
-        const uint8_t* src = p.data + start + block_offset(d, b);
-        uint8_t* dst = stage + j * kRawBlockBytes;
-        cp_async16(dst + 16 * lane, src + 16 * lane);
-        if (desc == kDescRaw) {
-          cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
-        } else {
-          cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
-        }
+        src = start + block_offset(d, b);
       }
     }
   }
-  if (lane == 0) descs[j] = desc;
+  desc_out[j] = desc;
+  src_out[j] = src;
+}
+
+// Starts the copies of planned block j (still in the format) into its 1 KB of staging: each lane its 16 positions,
+// 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
+__device__ __forceinline__ void issue_block(const Params& p, int j, const uint8_t* descs, const int64_t* srcs,
+                                            uint8_t* stage, int lane) {
+  const uint8_t desc = descs[j];
+  if (desc == kDescSkip || desc == kDescBad) return;
+  const uint8_t* src = p.data + srcs[j];
+  uint8_t* dst = stage + j * kRawBlockBytes;
+  cp_async16(dst + 16 * lane, src + 16 * lane);
+  if (desc == kDescRaw) {
+    cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
+  } else {
+    cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
+  }
 }
 
 // Rebuilds staged block j into bf16 in the K or V tile ([kKV][kStride], natural order): the lane's 8 words in
@@ -167,7 +196,8 @@ template <int D>
 __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
                                               const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
   using C = Cfg<D>;
-  const int tile = j / (2 * C::kSpans), is_v = (j / C::kSpans) % 2, span = j % C::kSpans;
+  const BlockOf<D> blk(j);
+  const int tile = blk.tile, is_v = blk.is_v, span = blk.span;
   const uint8_t desc = descs[j];
   const uint8_t* src = stage + j * kRawBlockBytes;
   uint32_t w[8];
@@ -224,7 +254,8 @@ __global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kStageBytes);
   uint16_t* ks = qs + kRows * C::kStride;
   uint16_t* vs = ks + C::kKV * C::kStride;
-  uint8_t* descs = reinterpret_cast<uint8_t*>(vs + C::kKV * C::kStride);
+  int64_t* srcs = reinterpret_cast<int64_t*>(vs + C::kKV * C::kStride);  // [2][kBlocks]: a plan per chunk parity
+  uint8_t* descs = reinterpret_cast<uint8_t*>(srcs + 2 * C::kBlocks);     // [2][kDescBytes]
   __shared__ int s_request, s_tile, s_bad;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -312,21 +343,35 @@ __global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   bool refused = false;
 
+  // Chunk ci's plan sits in buffer ci % 2: planned (thread j, block j) while chunk ci - 1 is rebuilt, from page ids
+  // loaded while chunk ci - 2 was multiplied, so each chunk waits on at most one meta load.
+  const int jt = threadIdx.x;
+  const bool planner = jt < C::kBlocks;
+  int32_t page_next = -1;  // thread jt's page id for the next chunk to plan
   if (chunks > 0) {
-    for (int j = warp; j < C::kBlocks; j += kWarps) issue_block<D>(p, head, kp0, c_first, hi, j, stage, descs, lane);
+    if (planner) {
+      plan_block<D>(p, head, c_first, hi, jt, block_page<D>(p, kp0, c_first, hi, jt), descs, srcs);
+      if (chunks > 1) page_next = block_page<D>(p, kp0, c_first + C::kKV, hi, jt);
+    }
+    __syncthreads();
+    for (int j = warp; j < C::kBlocks; j += kWarps) issue_block(p, j, descs, srcs, stage, lane);
     cp_async_commit();
   }
   for (int ci = 0; ci < chunks; ++ci) {
     const int64_t c0 = c_first + int64_t{ci} * C::kKV;
+    const uint8_t* descs_now = descs + (ci % 2) * C::kDescBytes;
+    uint8_t* descs_next = descs + ((ci + 1) % 2) * C::kDescBytes;
+    int64_t* srcs_next = srcs + ((ci + 1) % 2) * C::kBlocks;
     cp_async_wait0();
     __syncthreads();  // chunk ci staged (all warps' copies), and the K/V tiles free (chunk ci - 1 multiplied)
     for (int j = warp; j < C::kBlocks; j += kWarps)
-      refused |= rebuild_block<D>(j, c0, kv_len, stage, descs, ks, vs, lane);
-    __syncthreads();  // K/V tiles of chunk ci complete; the staging area free
+      refused |= rebuild_block<D>(j, c0, kv_len, stage, descs_now, ks, vs, lane);
+    if (planner && ci + 1 < chunks) plan_block<D>(p, head, c0 + C::kKV, hi, jt, page_next, descs_next, srcs_next);
+    __syncthreads();  // K/V tiles of chunk ci complete; the staging area free; chunk ci + 1 planned
     if (ci + 1 < chunks) {
-      for (int j = warp; j < C::kBlocks; j += kWarps)
-        issue_block<D>(p, head, kp0, c0 + C::kKV, hi, j, stage, descs, lane);
+      for (int j = warp; j < C::kBlocks; j += kWarps) issue_block(p, j, descs_next, srcs_next, stage, lane);
       cp_async_commit();
+      if (planner && ci + 2 < chunks) page_next = block_page<D>(p, kp0, c0 + 2 * C::kKV, hi, jt);
     }
     if (!warp_active) continue;
 
