@@ -707,6 +707,9 @@ def probe_requests(spec: dict, budget: int) -> int:
 
 
 def git_commit() -> str:
+    """$ZIPKV_COMMIT where set (a copy of the tree whose .git is not the tree's, as on the GPU box), else HEAD."""
+    if os.environ.get("ZIPKV_COMMIT"):
+        return os.environ["ZIPKV_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or os.environ.get("ZIPKV_COMMIT", "unknown")
