@@ -104,6 +104,12 @@ class Engine:
         # per-step exchange; host collectives never wait for the device. None for a model that is not sharded.
         tp = tp_group(model)
         group = None if tp is None else check_process_group(host_group(tp))
+        # Fused before the cache takes its memory: each layer's concatenation briefly holds its weights twice (the
+        # old ones are freed as its layers switch to views), and the cache's memory_fraction reads the free memory.
+        if fuse_projections if fuse_projections is not None else group is None:
+            fuse(self.model)  # a shard's DTensor weights are left as they are
+            if on_cuda:
+                torch.cuda.empty_cache()
         self.kv = CompressedPagedKVCache(num_layers, num_kv_heads, head_dim, page_size=page_size,
                                          max_bytes=max_kv_bytes, memory_fraction=memory_fraction,
                                          device=self.device, sliding_window=windows, process_group=group,
@@ -111,8 +117,6 @@ class Engine:
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
         if compile is None:  # compiled tensor-parallel decode is untested on GPUs (no multi-GPU machine ran it)
             compile = on_cuda and group is None
-        if fuse_projections if fuse_projections is not None else group is None:
-            fuse(self.model)  # a shard's DTensor weights are left as they are
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
                                   compile=compile, max_batch=max_batch)
         self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row,
