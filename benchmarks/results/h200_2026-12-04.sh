@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The H200 box, 2026-12-04: the four calls behind bench_prefill_h200.json, bench_projections_h200.json,
+# bench_prefix_quick_h200.json, bench_e2e_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log.
+# Each call ran one of the scripts below as .box/runN.sh, with carry [".box"] (box.sh, the FlashInfer wheels, and
+# .box/data/real_kv.pt from `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`).
+#   call 1 (c3b3c75): run1.sh   the GPU test files (307 passed; test_compile.py not collected: no expecttest on the box),
+#                               bench_prefill --quick (superseded by call 2), bench_projections
+#   call 2 (24a4ee4): run2.sh   paged_prefill and engine GPU tests after the plan change (106 passed), bench_prefill
+#   call 3 (7db25d8): run3.sh   bench_e2e at 48GiB (the free-budget jobs ran out of memory: fixed in 00d375a), bench_prefix --quick
+#   call 4 (00d375a): E2E_BUDGETS=free E2E_LIMIT=190 PREFIX_LIMIT=0 bash run3.sh
+
+# ---- .box/run1.sh
+# build; the GPU tests of paged_prefill, the engine (compiled, prefix caching), decode and transformers; then
+# bench_prefill --quick and bench_projections.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+bash .box/box.sh build || exit 1
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout ${TEST_LIMIT:-260} python3 -m pytest -q -p no:cacheprovider -n 6 -rfE --maxfail=300 \
+  test/test_paged_prefill_cuda.py test/test_engine_cuda.py test/test_engine_compile.py test/test_decode_cuda.py \
+  test/test_cuda.py test/test_errors.py test/test_hf.py test/test_compile.py test/test_hf_compiled_loop.py \
+  2>&1 | tee "$OUT/test_gpu.log" | grep -v "^\s*$" | tail -60
+echo "tests done at $SECONDS s"
+timeout 120 python3 benchmarks/bench_prefill.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench_prefill.log" | tail -25
+timeout 90 python3 benchmarks/bench_projections.py --out "$OUT" 2>&1 | tee "$OUT/bench_projections.log" | tail -12
+echo "all $SECONDS s"
+
+# ---- .box/run2.sh
+# build; paged_prefill's GPU tests and the engine's; bench_prefill (all cases).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+bash .box/box.sh build || exit 1
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 6 -rfE --maxfail=50 \
+  test/test_paged_prefill_cuda.py test/test_engine_cuda.py test/test_hf.py -k "prefill or cuda or Prefill" \
+  2>&1 | tee "$OUT/test_gpu.log" | grep -v "^\s*$\|Warning\|warner" | tail -30
+echo "tests done at $SECONDS s"
+timeout ${PREFILL_LIMIT:-260} python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_prefill.log" | tail -30
+echo "all $SECONDS s"
+
+# ---- .box/run3.sh
+# build; bench_e2e (compressed and raw engines, 48 GiB and the free budget: batch 32, the largest batch, 4 x 8K
+# prefills), then bench_prefix --quick.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/e2e" "$OUT/prefix"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt ZIPKV_COMMIT=$(git rev-parse HEAD)
+bash .box/box.sh build >/dev/null || exit 1
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+python3 benchmarks/bench_e2e.py --out "$OUT/e2e" --budgets ${E2E_BUDGETS:-48GiB free} --batches 32 --systems zipkv raw \
+  --time-limit ${E2E_LIMIT:-330} 2>&1 | tee "$OUT/e2e/bench_e2e.log" | grep -v "^\s*$\|Warning\|warn" | tail -40
+echo "e2e done at $SECONDS s"
+[ "${PREFIX_LIMIT:-210}" = 0 ] || python3 benchmarks/bench_prefix.py --quick --out "$OUT/prefix" --time-limit ${PREFIX_LIMIT:-210} 2>&1 \
+  | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -30
+echo "all $SECONDS s"
