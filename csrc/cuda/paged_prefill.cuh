@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params
   uint16_t* ks = qs + kRows * C::kStride;
   uint16_t* vs = ks + C::kKV * C::kStride;
   int64_t* srcs = reinterpret_cast<int64_t*>(vs + C::kKV * C::kStride);  // [2][kBlocks]: a plan per chunk parity
-  uint8_t* descs = reinterpret_cast<uint8_t*>(srcs + 2 * C::kBlocks);     // [2][kDescBytes]
+  uint8_t* descs = reinterpret_cast<uint8_t*>(srcs + 2 * C::kBlocks);    // [2][kDescBytes]
   __shared__ int s_request, s_tile, s_bad;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
