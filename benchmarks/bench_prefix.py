@@ -93,6 +93,7 @@ def run_job(spec: dict, report: dict) -> None:
     if spec["sizes"]["warmup"]:  # one turn each, tokens other than the load's
         serve(engine, load_of(spec, spec["sizes"]["warmup"], seed=1)[0], progress=False)
     before = engine.stats()
+    compiles = _dynamo_graphs()
     load, follow_up, total = load_of(spec, spec["sizes"]["requests" if spec["workload"] == "shared" else
                                                     "conversations"], seed=0)
     summary = serve(engine, load, total=total, progress=False, follow_up=follow_up)
@@ -104,9 +105,18 @@ def run_job(spec: dict, report: dict) -> None:
         largest_batch=summary["largest_batch"], steps=after["steps"] - before["steps"],
         kv_ratio_mean=summary["kv_ratio_mean"], prefix_cached_tokens=found, prefilled_tokens=prefilled,
         prefix_hits=after["prefix_hits"] - before["prefix_hits"],
-        prefix_hit_rate=found / (found + prefilled) if found + prefilled else 0.0, cuda_graphs=after["cuda_graphs"])
+        prefix_hit_rate=found / (found + prefilled) if found + prefilled else 0.0, cuda_graphs=after["cuda_graphs"],
+        # Inside the load, not the warm-up: compilation and graph capture (seconds), and graphs dynamo compiled.
+        decode_setup_s_in_load=after["decode_setup_s"] - before["decode_setup_s"],
+        dynamo_graphs_in_load=_dynamo_graphs() - compiles)
     if device.type == "cuda":
         report["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def child_main(spec_path: str) -> None:
