@@ -13,6 +13,7 @@ import torch_zipkv
 from torch_zipkv import format as fmt, reference
 
 from conftest import capture_graph, random_kv, rel_err, requires_cuda, spread_layers, with_zeros
+from test_decode_cuda import check  # GPU output and lse against the float64 reference and the CPU kernel
 from test_paged_prefill import prefill_case, random_q_lens, speculative_against_decodes
 
 pytestmark = requires_cuda
@@ -33,13 +34,6 @@ def prefill_all(kv, raw_pages, kv_lens, q_lens, num_qo_heads, gen, scale=None, q
     cpu = torch_zipkv.paged_prefill(q, qo, ckv, *table, sm_scale=scale, **kw)
     ref, ref_lse = reference.prefill_attention(q, qo, kv, *table, scale, **kw)
     return out.cpu(), lse.cpu(), cpu, ref, ref_lse
-
-
-def check(out, lse, cpu, ref, ref_lse, tol=1e-2):
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < tol
-    assert rel_err(out, cpu.double()) < tol
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)

@@ -57,11 +57,12 @@ __device__ __forceinline__ void store_stage_to_block(const uint32_t* stage, uint
 // format.h's position order is the mma fragment order, which is ldmatrix's: word m is the lane's fragment of one
 // 8x8 matrix of the stage (K: tokens 8 (m % 2).., dims 8 (m / 2)..; V, transposed: tokens 8 (m / 2 % 2).., dims
 // 8 (2 (m / 4) + m % 2)..). So two ldmatrix.x4 (stmatrix.x4 back) move a lane's words, 16 bytes per row address.
-// The stage word this lane addresses in call c (words 4c..4c+3): row r % 8 of matrix j = r / 8.
-__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane) {
+// The stage word this lane addresses in call c (words 4c..4c+3): row r % 8 of matrix j = r / 8, in a stage of
+// row_words words a row (a block's own stage by default; a wider tile holds several blocks side by side).
+__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane, int row_words = kRowWords) {
   const int j = lane / 8, r = lane % 8;
-  return is_v ? (8 * (j / 2) + r) * kRowWords + 4 * (2 * c + j % 2)
-              : (8 * (j % 2) + r) * kRowWords + 4 * (2 * c + j / 2);
+  return is_v ? (8 * (j / 2) + r) * row_words + 4 * (2 * c + j % 2)
+              : (8 * (j % 2) + r) * row_words + 4 * (2 * c + j / 2);
 }
 
 __device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v, int lane, uint32_t w[8]) {
@@ -80,10 +81,12 @@ __device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v,
   }
 }
 
-__device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int lane, const uint32_t w[8]) {
+__device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int lane, const uint32_t w[8],
+                                                 int row_words = kRowWords) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane)));
+    const uint32_t a =
+        static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane, row_words)));
     if (is_v) {
       asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
                    "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])

@@ -190,7 +190,7 @@ __device__ __forceinline__ void issue_block(const Params& p, int j, const uint8_
 
 // Rebuilds staged block j into bf16 in the K or V tile ([kKV][kStride], natural order): the lane's 8 words in
 // position order (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix
-// (block_io.cuh fragment_row_word, with the tile's row stride). Values of tokens at or past kv_len are zeroed in V (an
+// (block_io.cuh store_lane_words, with the tile's row stride). Values of tokens at or past kv_len are zeroed in V (an
 // open page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is 0).
 template <int D>
 __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
@@ -213,24 +213,7 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
                 *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
   }
   uint16_t* base = (is_v ? vs : ks) + tile * kTileTokens * C::kStride + span * kBlockDims;
-  uint32_t* words = reinterpret_cast<uint32_t*>(base);
-  constexpr int kRowWords = C::kStride / 2;
-  const int m = lane / 8, r = lane % 8;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int word = is_v ? (8 * (m / 2) + r) * kRowWords + 4 * (2 * c + m % 2)
-                          : (8 * (m % 2) + r) * kRowWords + 4 * (2 * c + m / 2);
-    const uint32_t a = smem_u32(words + word);
-    if (is_v) {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
-                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
-                   : "memory");
-    } else {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
-                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
-                   : "memory");
-    }
-  }
+  store_lane_words(reinterpret_cast<uint32_t*>(base), is_v, lane, w, C::kStride / 2);
   const int64_t tok = c0 + int64_t{tile} * kTileTokens;
   if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
     __syncwarp();
