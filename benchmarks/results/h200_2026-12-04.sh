@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The H200 box, 2026-12-04: the four calls behind bench_prefill_h200.json, bench_projections_h200.json,
-# bench_prefix_quick_h200.json, bench_e2e_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log.
+# The H200 box, 2026-12-04: the six calls behind bench_prefill_h200.json, bench_projections_h200.json,
+# bench_e2e_h200.json, bench_prefix_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log.
 # Each call ran one of the scripts below as .box/runN.sh, with carry [".box"] (box.sh, the FlashInfer wheels, and
 # .box/data/real_kv.pt from `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`).
 #   call 1 (c3b3c75): run1.sh   the GPU test files (307 passed; test_compile.py not collected: no expecttest on the box),
 #                               bench_prefill --quick (superseded by call 2), bench_projections
 #   call 2 (24a4ee4): run2.sh   paged_prefill and engine GPU tests after the plan change (106 passed), bench_prefill
 #   call 3 (7db25d8): run3.sh   bench_e2e at 48GiB (the free-budget jobs ran out of memory: fixed in 00d375a), bench_prefix --quick
+#                               (bench_prefix_quick_h200.json, in git history; superseded by calls 5 and 6)
 #   call 4 (00d375a): E2E_BUDGETS=free E2E_LIMIT=190 PREFIX_LIMIT=0 bash run3.sh
+#   call 5 (5bd754c): WORKLOADS=shared PREFIX_LIMIT=540 bash run4.sh   bench_prefix at full size, the shared prompt
+#   call 6 (5bd754c): WORKLOADS=chat PREFIX_LIMIT=540 bash run4.sh     bench_prefix at full size, the chat (a freshly
+#                               started box, rebuilt); the two merged into bench_prefix_h200.json
 
 # ---- .box/run1.sh
 # build; the GPU tests of paged_prefill, the engine (compiled, prefix caching), decode and transformers; then
@@ -56,4 +60,17 @@ python3 benchmarks/bench_e2e.py --out "$OUT/e2e" --budgets ${E2E_BUDGETS:-48GiB 
 echo "e2e done at $SECONDS s"
 [ "${PREFIX_LIMIT:-210}" = 0 ] || python3 benchmarks/bench_prefix.py --quick --out "$OUT/prefix" --time-limit ${PREFIX_LIMIT:-210} 2>&1 \
   | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -30
+echo "all $SECONDS s"
+
+# ---- .box/run4.sh
+# build; bench_prefix at full size for the workloads in $WORKLOADS (default: shared), every system, each job in its
+# own process, into $OUT/prefix.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_COMMIT=${ZIPKV_COMMIT:-5bd754c}
+bash .box/box.sh build >/dev/null || exit 1
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads ${WORKLOADS:-shared} \
+  --time-limit ${PREFIX_LIMIT:-540} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -40
 echo "all $SECONDS s"
