@@ -1,7 +1,7 @@
 """Prefill-attention benchmark (GPU): torch_zipkv's paged_prefill on real-KV-like, all-compressible and raw pages
 against FlashInfer 0.6.12's BatchPrefillWithPagedKVCacheWrapper on the same pages, all in the same run.
 
-    python benchmarks/bench_prefill.py --out DIR [--iters 30] [--quick]
+    python benchmarks/bench_prefill.py --out DIR [--iters 30] [--quick] [--cases all|chunked|speculative]
 
 Cases (Llama-3.1-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, page 16, causal, separate KV per
 request, pages in random order; the query tokens are each request's last q_len tokens, already in its pages):
@@ -92,6 +92,7 @@ def run_case(shape: dict, q_len: int, ctx: int, batch: int, iters: int, streams,
         add(name, lambda ckv=ckv, out=out: torch_zipkv.paged_prefill(q, qo_indptr, ckv, indptr, indices, last,
                                                                      sm_scale=scale, out=out),
             ckv.nbytes, {"stored_ratio": ckv.ratio})
+    row["plan"] = torch_zipkv.prefill_plan(q, qo_indptr, stored["zipkv_real_like"], indices)
     fi_version = None
     if use_flashinfer:
         w, fi_version = flashinfer_prefill(qo_indptr, indptr, indices, last, shape, scale, device)
@@ -202,6 +203,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="three cases and a short TTFT, under a minute")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer baseline (JIT-compiles)")
+    parser.add_argument("--cases", choices=("all", "chunked", "speculative"), default="all",
+                        help="chunked: q_len 512 and 2048 and the engine TTFT; speculative: q_len 2-8 only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_prefill: no GPU, nothing to measure")
@@ -209,8 +212,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     flush = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     streams = bd.real_streams("cuda")
-    cases = [(q, c, b) for q in (512, 2048) for c in (8192, 32768) for b in (1, 8)]
-    cases += [(q, 8192, b) for q in (2, 4, 8) for b in (32, 64)]
+    chunked = [(q, c, b) for q in (512, 2048) for c in (8192, 32768) for b in (1, 8)]
+    speculative = [(q, 8192, b) for q in (2, 4, 8) for b in (32, 64)]
+    cases = {"all": chunked + speculative, "chunked": chunked, "speculative": speculative}[args.cases]
     ttft = dict(prompt=8192, chunk=512, iters=5)
     if args.quick:
         cases = [(512, 8192, 1), (512, 8192, 8), (4, 8192, 32)]
@@ -230,12 +234,13 @@ def main() -> None:
               f"{sp('zipkv_real_like')}/{sp('zipkv_random')}/{sp('zipkv_raw')} | "
               f"{sp('zipkv_real_like', 'time_vs_own_decode')}", flush=True)
         torch.cuda.empty_cache()
-    t = engine_ttft(LLAMA, ttft["prompt"], ttft["chunk"], ttft["iters"], streams, gen)
-    tr = t["results"]
-    paged, gather = tr["paged_prefill"], tr["gather_sdpa"]
-    print(f"engine TTFT attention, 8K prompt in chunks of 512, x32 layers: paged_prefill "
-          f"{paged['us_32_layers'] / 1e3:.2f} ms, gather + SDPA {gather['us_32_layers'] / 1e3:.2f} ms "
-          f"({paged['time_vs_gather_path']:.3f}x)")
+    t = None
+    if args.cases != "speculative":
+        t = engine_ttft(LLAMA, ttft["prompt"], ttft["chunk"], ttft["iters"], streams, gen)
+        paged, gather = t["results"]["paged_prefill"], t["results"]["gather_sdpa"]
+        print(f"engine TTFT attention, 8K prompt in chunks of 512, x32 layers: paged_prefill "
+              f"{paged['us_32_layers'] / 1e3:.2f} ms, gather + SDPA {gather['us_32_layers'] / 1e3:.2f} ms "
+              f"({paged['time_vs_gather_path']:.3f}x)")
     result = {
         "benchmark": "bench_prefill",
         "command": "python " + " ".join(sys.argv),

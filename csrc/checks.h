@@ -213,16 +213,15 @@ inline void check_prefill_args(const at::Tensor& q, const at::Tensor& qo_indptr,
 }
 
 // decode_plan's arguments (a host query: q and meta are read for their shapes and device only).
-inline void check_plan_args(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages, int64_t page_size,
-                            int64_t window_left) {
-  const char* op = "decode_plan";
+inline void check_plan_args(const char* op, const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages,
+                            int64_t page_size, int64_t window_left) {
   check_window_left(op, window_left);
   check_tensor(q, op, "q", at::kBFloat16, 3, q.device());
   check_geometry(op, page_size, q.size(2));
-  TORCH_CHECK_VALUE(meta.dim() == 4, "zipkv.decode_plan: meta must be [num_pages, 2, num_kv_heads, meta_words], got ",
+  TORCH_CHECK_VALUE(meta.dim() == 4, "zipkv.", op, ": meta must be [num_pages, 2, num_kv_heads, meta_words], got ",
                     "shape ", meta.sizes());
   check_group(op, q.size(1), meta.size(2));
-  TORCH_CHECK_VALUE(nnz_pages >= 0, "zipkv.decode_plan: nnz_pages must be >= 0, got ", nnz_pages);
+  TORCH_CHECK_VALUE(nnz_pages >= 0, "zipkv.", op, ": nnz_pages must be >= 0, got ", nnz_pages);
 }
 
 }  // namespace zipkv

@@ -1,8 +1,8 @@
 // The only TORCH_LIBRARY(zipkv): every schema of the library, with the meaning and shape of each argument.
 // Backends add kernels with TORCH_LIBRARY_IMPL in csrc/cpu/*.cpp and csrc/cuda/*.cu; fakes live in
-// torch_zipkv/ops.py. Every op but the host query decode_plan writes into caller-allocated tensors and returns (), so
-// no output shape depends on data and every such op can be captured in a CUDA Graph. The storage format is defined
-// in format.h.
+// torch_zipkv/ops.py. Every op but the host queries decode_plan and prefill_plan writes into caller-allocated tensors
+// and returns (), so no output shape depends on data and every such op can be captured in a CUDA Graph. The storage
+// format is defined in format.h.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -83,4 +83,12 @@ TORCH_LIBRARY(zipkv, m) {
   // planning): {num_splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty batch. q and meta as above (only
   // their shapes and device are read); nnz_pages = kv_indices' length. A host query: it is not for compiled graphs.
   m.def("decode_plan(Tensor q, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> int[]");
+
+  // The kernel and launch paged_prefill makes on a CUDA device for these shapes, without running it: {kernel (1: the
+  // decode kernel's short-query variant, 0: the tile kernel, -1: none for an empty batch), num_splits, warps per CTA,
+  // CTAs per SM (0 where not asked), query rows per CTA}. q, qo_indptr and meta as in paged_prefill (only their
+  // shapes and device are read); nnz_pages = kv_indices' length. A host query, as decode_plan.
+  m.def(
+      "prefill_plan(Tensor q, Tensor qo_indptr, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> "
+      "int[]");
 }

@@ -21,21 +21,22 @@ class TestSchemas(TestCase):
     def test_schema_snapshot(self):
         """The schemas are public API: changing one must be deliberate (EXPECTTEST_ACCEPT=1 to update)."""
         schemas = "\n".join(str(getattr(torch.ops.zipkv, op).default._schema)
-                            for op in (*STORAGE_OPS, "paged_decode", "decode_plan", "paged_prefill"))
+                            for op in (*STORAGE_OPS, "paged_decode", "decode_plan", "paged_prefill", "prefill_plan"))
         self.assertExpectedInline(schemas, """\
 zipkv::compress_pages(Tensor kv, Tensor page_ids, bool allow_compress, Tensor(a!) data, Tensor(b!) meta, Tensor(c!) cursor) -> ()
 zipkv::decompress_pages(Tensor data, Tensor meta, Tensor page_ids, Tensor(a!) out) -> ()
 zipkv::append_kv(Tensor k, Tensor v, Tensor page_ids, Tensor slots, int page_size, Tensor(a!) data, Tensor meta) -> ()
 zipkv::paged_decode(Tensor q, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, int window_left=-1, float logits_soft_cap=0.) -> ()
 zipkv::decode_plan(Tensor q, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> int[]
-zipkv::paged_prefill(Tensor q, Tensor qo_indptr, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, bool causal=True, int window_left=-1, float logits_soft_cap=0.) -> ()""")
+zipkv::paged_prefill(Tensor q, Tensor qo_indptr, Tensor data, Tensor meta, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int page_size, float sm_scale, Tensor(a!) out, Tensor(b!)? lse=None, bool causal=True, int window_left=-1, float logits_soft_cap=0.) -> ()
+zipkv::prefill_plan(Tensor q, Tensor qo_indptr, Tensor meta, int nnz_pages, int page_size, int window_left=-1) -> int[]""")
 
 
 def test_cuda_kernels_registered():
     """CI builds with ZIPKV_WITH_CUDA=1 and sets ZIPKV_REQUIRE_CUDA_BUILD=1: the .cu files compiled and registered."""
     if os.environ.get("ZIPKV_REQUIRE_CUDA_BUILD") != "1":
         pytest.skip("CPU-only build allowed (set ZIPKV_REQUIRE_CUDA_BUILD=1 to require CUDA kernels)")
-    for op in (*STORAGE_OPS, "paged_decode", "decode_plan", "paged_prefill"):
+    for op in (*STORAGE_OPS, "paged_decode", "decode_plan", "paged_prefill", "prefill_plan"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"zipkv::{op}", "CUDA"), op
 
 

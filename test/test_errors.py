@@ -121,6 +121,11 @@ def test_decode_plan_is_a_cuda_query(setup):
     kv, ckv, q, indptr, indices, last = setup
     with pytest.raises(ValueError, match="decode_plan: q must be on a CUDA device .* got cpu"):
         torch_zipkv.decode_plan(q, ckv, indices)
+    qo_indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="prefill_plan: q must be on a CUDA device .* got cpu"):
+        torch_zipkv.prefill_plan(q, qo_indptr, ckv, indices)
+    with pytest.raises(TypeError, match="zipkv.prefill_plan: qo_indptr must be a torch.Tensor, got list"):
+        torch_zipkv.prefill_plan(q, [0, 1, 2], ckv, indices)
 
 
 @pytest.mark.parametrize("corrupt, message", [
@@ -228,6 +233,8 @@ def test_decode_refuses_a_q_without_dims_and_ints_past_int64(setup):
         ops.decode_plan(q, ckv.meta, 2**63, 16)
     with pytest.raises(ValueError, match=r"decode_plan: kv_indices must have 1 dims, got shape \[\]"):
         torch_zipkv.decode_plan(q, ckv, indices[0])
+    with pytest.raises(ValueError, match=r"prefill_plan: kv_indices must have 1 dims, got shape \[\]"):
+        torch_zipkv.prefill_plan(q, torch.tensor([0, 1, 2], dtype=torch.int32), ckv, indices[0])
     with pytest.raises(ValueError, match="empty_storage: num_kv_heads must fit in an int64"):
         empty_storage(4, 16, 2**70, 64)
     with pytest.raises(ValueError, match=r"empty_storage: capacity \(num_pages x raw page bytes\) must fit in an "

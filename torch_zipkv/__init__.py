@@ -7,7 +7,8 @@ The high-level API:
   :class:`CompressedKV`; :func:`decompress` returns them bit-exactly.
 - :func:`paged_decode` runs decode attention over a :class:`CompressedKV` with a FlashInfer-style page table;
   :func:`decode_plan` tells the CUDA launch (split count, CTA layout) it would make; :func:`paged_prefill` runs
-  attention of many query tokens per request (chunked prefill, speculative verification) over the same pages.
+  attention of many query tokens per request (chunked prefill, speculative verification) over the same pages, and
+  :func:`prefill_plan` tells which CUDA kernel serves them.
 - :func:`empty_storage` allocates the storage the ops write into (``data``, ``meta``, ``cursor``) for a number of
   pages, to drive :mod:`torch_zipkv.ops` directly.
 - :class:`CompressedPagedKVCache` keeps a model's KV cache compressed in a byte budget: sequences, appends, page
@@ -46,12 +47,13 @@ _load_ops()
 from . import ops  # noqa: E402
 from .ops import empty_storage  # noqa: E402
 from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep  # noqa: E402
-from .compressed_kv import CompressedKV, compress, decode_plan, decompress, paged_decode, paged_prefill  # noqa: E402
+from .compressed_kv import (CompressedKV, compress, decode_plan, decompress, paged_decode, paged_prefill,  # noqa: E402
+                            prefill_plan)
 from .format import FORMAT_VERSION  # noqa: E402
 
-__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "paged_prefill", "decode_plan", "empty_storage",
-           "ops", "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity", "DecodeStep", "ZipKVCache",
-           "enable", "generate"]
+__all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "paged_prefill", "decode_plan", "prefill_plan",
+           "empty_storage", "ops", "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity",
+           "DecodeStep", "ZipKVCache", "enable", "generate"]
 
 _TRANSFORMERS_NAMES = ("ZipKVCache", "enable", "generate")
 

@@ -227,12 +227,26 @@ def paged_prefill(
                              window_left=window_left, logits_soft_cap=logits_soft_cap)
 
 
+def _nnz_pages(op: str, kv_indices) -> int:
+    if not isinstance(kv_indices, torch.Tensor):
+        raise TypeError(f"{op}: kv_indices must be a torch.Tensor, got {type(kv_indices).__name__}")
+    if kv_indices.dim() != 1:
+        raise ValueError(f"{op}: kv_indices must have 1 dims, got shape {list(kv_indices.shape)}")
+    return kv_indices.shape[0]
+
+
 def decode_plan(q: torch.Tensor, ckv: CompressedKV, kv_indices: torch.Tensor, *, window_left: int = -1) -> dict:
     """The launch :func:`paged_decode` would make for ``q`` over ``ckv`` with this page list, on a CUDA device:
     ``{"num_splits", "warps_per_cta", "ctas_per_sm"}`` (see :func:`torch_zipkv.ops.decode_plan`)."""
     _require_ckv("decode_plan", ckv)
-    if not isinstance(kv_indices, torch.Tensor):
-        raise TypeError(f"decode_plan: kv_indices must be a torch.Tensor, got {type(kv_indices).__name__}")
-    if kv_indices.dim() != 1:
-        raise ValueError(f"decode_plan: kv_indices must have 1 dims, got shape {list(kv_indices.shape)}")
-    return ops.decode_plan(q, ckv.meta, kv_indices.shape[0], ckv.page_size, window_left=window_left)
+    return ops.decode_plan(q, ckv.meta, _nnz_pages("decode_plan", kv_indices), ckv.page_size, window_left=window_left)
+
+
+def prefill_plan(q: torch.Tensor, qo_indptr: torch.Tensor, ckv: CompressedKV, kv_indices: torch.Tensor, *,
+                 window_left: int = -1) -> dict:
+    """The kernel and launch :func:`paged_prefill` would make for ``q`` over ``ckv`` with this page list, on a CUDA
+    device: ``{"kernel", "num_splits", "warps_per_cta", "ctas_per_sm", "rows_per_cta"}`` (see
+    :func:`torch_zipkv.ops.prefill_plan`)."""
+    _require_ckv("prefill_plan", ckv)
+    return ops.prefill_plan(q, qo_indptr, ckv.meta, _nnz_pages("prefill_plan", kv_indices), ckv.page_size,
+                            window_left=window_left)

@@ -228,6 +228,9 @@ def paged_prefill(
     q_len <= kv_len and query token i sits at position ``kv_len - q_len + i``. ``causal`` lets it attend to keys at
     positions up to its own; ``window_left`` >= 0 to keys at positions >= its own minus ``window_left`` only.
     ``sm_scale``, ``logits_soft_cap`` and ``lse`` (fp32 [nnz_q, Hq]) as in :func:`paged_decode`.
+
+    On CUDA, short queries (speculative verification) run on the decode kernel, reading each page once for a
+    request's query tokens, and longer ones on a tile kernel; :func:`prefill_plan` tells which.
     """
     _check_types("paged_prefill", q=(q, "tensor"), qo_indptr=(qo_indptr, "tensor"), data=(data, "tensor"),
                  meta=(meta, "tensor"), kv_indptr=(kv_indptr, "tensor"), kv_indices=(kv_indices, "tensor"),
@@ -258,6 +261,28 @@ def decode_plan(q: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: 
                          f"{q.device}")
     splits, warps, residency = zipkv.decode_plan(q, meta, nnz_pages, page_size, window_left)
     return {"num_splits": splits, "warps_per_cta": warps, "ctas_per_sm": residency}
+
+
+def prefill_plan(q: torch.Tensor, qo_indptr: torch.Tensor, meta: torch.Tensor, nnz_pages: int, page_size: int, *,
+                 window_left: int = -1) -> dict:
+    """The kernel and launch :func:`paged_prefill` makes on a CUDA device for these shapes, without running it.
+
+    Returns ``{"kernel", "num_splits", "warps_per_cta", "ctas_per_sm", "rows_per_cta"}``. ``kernel`` is
+    ``"decode"`` for short queries (at most 32 query rows, q_len x group, per request on average: speculative
+    verification, a few decode steps at once), served by the decode kernel, which streams each tile once for up to
+    ``rows_per_cta`` (8 or 16) query rows of a request and may split a request's pages like :func:`decode_plan`;
+    ``"tiles"`` for longer ones (chunked prefill): the tile kernel, 64 query rows per CTA, never split
+    (``ctas_per_sm`` 0: not asked); ``None`` for an empty batch (nothing is launched). Only shapes are read, so it
+    never syncs. A host query: call it outside compiled graphs.
+    """
+    _check_types("prefill_plan", q=(q, "tensor"), qo_indptr=(qo_indptr, "tensor"), meta=(meta, "tensor"),
+                 nnz_pages=(nnz_pages, "int"), page_size=(page_size, "int"), window_left=(window_left, "int"))
+    if q.device.type != "cuda":
+        raise ValueError(f"zipkv.prefill_plan: q must be on a CUDA device (the CPU kernel has no launch plan), got "
+                         f"{q.device}")
+    kernel, splits, warps, residency, rows = zipkv.prefill_plan(q, qo_indptr, meta, nnz_pages, page_size, window_left)
+    return {"kernel": {1: "decode", 0: "tiles"}.get(kernel), "num_splits": splits, "warps_per_cta": warps,
+            "ctas_per_sm": residency, "rows_per_cta": rows}
 
 
 # Fake kernels: the checks of csrc/checks.h (and of the CUDA ops, where they check shapes), in the same order, with

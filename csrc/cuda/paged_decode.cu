@@ -1,5 +1,6 @@
 // CUDA op zipkv::paged_decode: argument checks, the split-KV plan, the workspace, and the dispatch on head_dim
-// (dispatch_head_dim; kernels in paged_decode.cuh); zipkv::decode_plan tells the plan without running it.
+// (dispatch_head_dim; kernels in paged_decode.cuh); zipkv::decode_plan tells the plan without running it. The plan
+// and the launch also serve paged_prefill's short queries (paged_decode_plan.h).
 //
 // The plan is made on the host from shapes alone (batch, kv heads, nnz pages), never from tensor contents, so the op
 // never syncs and a captured CUDA Graph replays the same plan: when batch x kv_heads CTAs would leave SMs idle or end
@@ -15,6 +16,7 @@
 
 #include "../checks.h"
 #include "paged_decode.cuh"
+#include "paged_decode_plan.h"
 #include "smem_limit.cuh"
 
 namespace zipkv::cuda {
@@ -58,17 +60,18 @@ void dispatch_head_dim(const char* op, int head_dim, F&& f) {
   }
 }
 
-int occupancy(int head_dim, int group, int warps) {
+int occupancy(int head_dim, int cols, int warps, bool multi) {
   int ctas = 0;
-  dispatch_head_dim("paged_decode", head_dim, [&]<int D>() { ctas = decode::ctas_per_sm<D>(group, warps); });
+  dispatch_head_dim("paged_decode", head_dim, [&]<int D>() { ctas = decode::ctas_per_sm<D>(cols, warps, multi); });
   return ctas;
 }
 
 // Shapes the plan sees; the tile count is the batch's mean (ragged batches are planned as if even).
 struct Shape {
-  int64_t ctas;  // batch x kv_heads: one CTA each before splitting
-  double tiles;  // mean 16-token tiles per request inside the window
-  int head_dim, group;
+  int64_t ctas;         // batch x kv_heads (multi: slots x kv heads): one CTA each before splitting
+  double tiles;         // mean 16-token tiles per request inside the window
+  int head_dim, group;  // group: the MMA columns a CTA fills (multi: Params::cols)
+  bool multi;
 };
 
 struct Plan {
@@ -87,7 +90,7 @@ double sm_time(int64_t k, double work, int warps, int64_t residency) {
 // if all CTAs fit at once, the busiest SM's share at its rate, otherwise an even share plus the tail.
 int plan_splits(const Shape& x) {
   constexpr int warps = 4;
-  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
+  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
   auto cost = [&](int s) {
     const int64_t n = x.ctas * s;
     const double work = x.tiles / s + kOverheadTilesPerWarp * warps;
@@ -109,7 +112,7 @@ int plan_splits(const Shape& x) {
 // CTAs' work, the partial last wave the busiest SM's share at its rate. It ignores how uneven finishing smooths many
 // waves, so it only compares layouts at split counts already chosen, where a partial wave is what differs.
 double wave_time(const Shape& x, int splits, int warps) {
-  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps));
+  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
   const int64_t n = x.ctas * splits, full = n / (sms * residency), rest = n % (sms * residency);
   const double work = x.tiles / splits + kOverheadTilesPerWarp * warps;
   return static_cast<double>(full) * sm_time(residency, work, warps, residency) +
@@ -124,19 +127,37 @@ double wave_time(const Shape& x, int splits, int warps) {
 // waves of 6-warp CTAs (over more, uneven finishing blurs the waves and the two layouts measured the same).
 Plan plan_decode(const Shape& x) {
   const Plan four{plan_splits(x), 4};
-  if (!decode::has_six_warps(x.head_dim, x.group)) return four;
+  if (x.multi || !decode::has_six_warps(x.head_dim, x.group)) return four;
   const int64_t sms = num_sms();
-  if (x.ctas <= sms * occupancy(x.head_dim, x.group, 4) || x.ctas > 2 * sms * occupancy(x.head_dim, x.group, 6))
+  if (x.ctas <= sms * occupancy(x.head_dim, x.group, 4, x.multi) ||
+      x.ctas > 2 * sms * occupancy(x.head_dim, x.group, 6, x.multi))
     return four;
   return wave_time(x, 1, 6) * (1.0 + kSixGain) < wave_time(x, four.splits, 4) ? Plan{1, 6} : four;
 }
 
-Shape decode_shape(int64_t batch, int64_t kv_heads, int64_t nnz_pages, int64_t page_size, int head_dim, int group,
-                   int64_t window_left) {
+}  // namespace
+
+DecodeLaunch plan_decode_launch(int64_t ctas, int64_t batch, int64_t nnz_pages, int64_t page_size, int head_dim,
+                                int cols, int64_t window_left, bool multi) {
   double tiles = static_cast<double>(nnz_pages * (page_size / kTileTokens)) / static_cast<double>(batch);
   if (window_left >= 0) tiles = std::min(tiles, static_cast<double>(window_left / kTileTokens + 2));
-  return Shape{batch * kv_heads, tiles, head_dim, group};
+  const Plan plan = plan_decode(Shape{ctas, tiles, head_dim, cols, multi});
+  return {plan.splits, plan.warps, occupancy(head_dim, cols, plan.warps, multi)};
 }
+
+void launch_decode(decode::Params& p, const DecodeLaunch& plan, int head_dim, bool multi, const at::Tensor& q) {
+  p.num_splits = plan.splits;
+  at::Tensor workspace;
+  if (p.num_splits > 1) {
+    workspace = at::empty({p.num_splits * p.rows * (head_dim + 1)}, q.options().dtype(at::kFloat));
+    p.part_o = workspace.data_ptr<float>();
+    p.part_lse = p.part_o + p.num_splits * p.rows * head_dim;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_head_dim("paged_decode", head_dim, [&]<int kD>() { decode::launch<kD>(p, plan.warps, multi, stream); });
+}
+
+namespace {
 
 void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Tensor& meta, const at::Tensor& kv_indptr,
                        const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, int64_t page_size,
@@ -175,31 +196,23 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
     p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
     p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
   }
-  const Plan plan = plan_decode(decode_shape(batch, H, p.nnz, page_size, D, p.group, window_left));
-  p.num_splits = plan.splits;
-
-  at::Tensor workspace;
-  if (p.num_splits > 1) {
-    const int64_t rows = batch * Hq;
-    workspace = at::empty({p.num_splits * rows * (D + 1)}, q.options().dtype(at::kFloat));
-    p.part_o = workspace.data_ptr<float>();
-    p.part_lse = p.part_o + p.num_splits * rows * D;
-  }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_head_dim("paged_decode", D, [&]<int kD>() { decode::launch<kD>(p, plan.warps, stream); });
+  p.slots = batch;
+  p.rows = batch * Hq;
+  const DecodeLaunch plan = plan_decode_launch(batch * H, batch, p.nnz, page_size, D, p.group, window_left, false);
+  launch_decode(p, plan, D, false, q);
 }
 
 // The plan paged_decode would make for these shapes: {splits, warps per CTA, CTAs per SM}; {0, 0, 0} for an empty
 // batch, which launches nothing.
 std::vector<int64_t> decode_plan_cuda(const at::Tensor& q, const at::Tensor& meta, int64_t nnz_pages, int64_t page_size,
                                       int64_t window_left) {
-  check_plan_args(q, meta, nnz_pages, page_size, window_left);
+  check_plan_args("decode_plan", q, meta, nnz_pages, page_size, window_left);
   const int64_t group = q.size(1) / meta.size(2);
   if (q.size(0) == 0) return {0, 0, 0};
   const c10::cuda::CUDAGuard guard(q.device());
-  const int D = q.size(2);
-  const Plan plan = plan_decode(decode_shape(q.size(0), meta.size(2), nnz_pages, page_size, D, group, window_left));
-  return {plan.splits, plan.warps, occupancy(D, static_cast<int>(group), plan.warps)};
+  const DecodeLaunch plan = plan_decode_launch(q.size(0) * meta.size(2), q.size(0), nnz_pages, page_size, q.size(2),
+                                               static_cast<int>(group), window_left, false);
+  return {plan.splits, plan.warps, plan.ctas_per_sm};
 }
 
 }  // namespace

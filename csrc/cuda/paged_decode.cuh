@@ -28,6 +28,14 @@
 // made from its descriptor) per 4 values, so no branch in the tile loop depends on the kind; the tile plan counts raw
 // blocks as descriptors equal to 0x80 (raw_desc_bytes).
 //
+// Many query tokens per request (kMulti: paged_prefill's short queries, e.g. speculative verification with q_len 2-8):
+// the same kernel with the N columns taken by a request's query rows (row r = token r / group, head r % group of the
+// kv head's group) instead of its group's heads. A CTA takes one slot of `cols` (8 or 16) consecutive rows of one
+// request, found by a prefix sum over qo_indptr, so every tile it streams serves all of them: the KV is read once per
+// slot, not once per query token. The rows' causal and window bounds differ by their token's offset in the slot
+// (below 16), kept per MMA column in 4 bits; the grid covers the most slots any qo_indptr of this nnz_q and batch
+// can make, and CTAs past the last real slot exit at once.
+//
 // Bad device contents cannot raise without a host sync, so they poison the result instead of being read: a page id
 // out of range, a missing stream, a meta row tagged with another geometry or format version, an invalid descriptor,
 // a stream past the end of data or an inconsistent page-table entry (indptr, last_page_len) turns that request's
@@ -67,6 +75,12 @@ struct Params {
   float scale_log2;  // sm_scale * log2(e): the softmax runs in base 2
   // Soft cap (cap_log2 > 0): logit = cap * tanh(q.k * sm_scale / cap), in base 2: cap_log2 * tanh(q.k * scale_cap).
   float cap_log2, scale_cap;  // cap * log2(e), sm_scale / cap
+  int64_t slots;              // CTAs per kv head and split: batch, or (kMulti) at most nnz_q x group / cols + batch
+  int64_t rows;               // rows of out, and of part_o per split: batch x Hq, or (kMulti) nnz_q x Hq
+  // kMulti only: request b's query tokens are q[qo_indptr[b]:qo_indptr[b + 1]] ([nnz_q, Hq, D]); token i sits at
+  // position kv_len - q_len + i; causal: it attends to keys up to its own position; a CTA holds `cols` rows.
+  const int32_t* qo_indptr;  // [batch + 1]
+  int nnz_q, cols, causal;
 };
 
 // Bytes of a tile record (TileRec<D>, below): at d 64 it carries its blocks' tables too.
@@ -392,8 +406,39 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
   }
 }
 
+// kMulti: which request and which of its slots CTA row s is. Request b owns ceil(q_len_b x group / cols) consecutive
+// slots (a prefix sum over the batch, 32 requests per step; every warp finds it alone, no barrier); b = -1 past the
+// last. q_len is clamped to [0, nnz_q] as the host's bound on the slots assumes.
+__device__ __forceinline__ void find_slot(const Params& p, int64_t s, int lane, int& b_out, int& slot_out) {
+  int64_t base = 0;
+  for (int b0 = 0; b0 < p.batch; b0 += 32) {
+    const int b = b0 + lane;
+    int64_t n = 0;
+    if (b < p.batch) {
+      const int64_t q_len = int64_t{__ldg(p.qo_indptr + b + 1)} - __ldg(p.qo_indptr + b);
+      n = (min(max(q_len, int64_t{0}), int64_t{p.nnz_q}) * p.group + p.cols - 1) / p.cols;
+    }
+    int64_t incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int64_t excl = base + incl - n;
+    const unsigned mine = __ballot_sync(0xFFFFFFFFu, n > 0 && s >= excl && s < excl + n);
+    if (mine) {
+      const int src = __ffs(mine) - 1;
+      b_out = b0 + src;
+      slot_out = static_cast<int>(s - __shfl_sync(0xFFFFFFFFu, excl, src));
+      return;
+    }
+    base += __shfl_sync(0xFFFFFFFFu, incl, 31);
+  }
+  b_out = -1, slot_out = 0;
+}
+
 // ---------------------------------------------------------------------------------------------- the kernel
-template <int D, int kHeadTiles, int kCtas, int kWarps>
+template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
   using C = Cfg<D, kCtas, kWarps>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
@@ -411,21 +456,74 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // The split merge (a programmatic dependent launch) may be scheduled once every CTA of this grid has started; it
   // waits for this grid's results itself.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // CTA x = (row, kv head, split) with the split fastest; decode's rows are requests, head-minor; kMulti's are slots,
+  // head-major, so that a request's slots of one kv head run side by side (their tiles meet in L2).
   const int split = blockIdx.x % p.num_splits;
-  const int head = (blockIdx.x / p.num_splits) % p.H;
-  const int b = blockIdx.x / (p.num_splits * p.H);
-  const int64_t qrow0 = static_cast<int64_t>(b) * p.Hq + static_cast<int64_t>(head) * p.group;
+  const int64_t cta = blockIdx.x / p.num_splits;
+  const int head = static_cast<int>(kMulti ? cta / p.slots : cta % p.H);
+  int b, slot = 0;
+  if constexpr (kMulti) {
+    find_slot(p, cta % p.slots, lane, b, slot);
+    if (b < 0) return;  // past the last slot
+  } else {
+    b = static_cast<int>(cta / p.H);
+  }
 
-  // The request's page-table entries; an inconsistent one poisons the request.
+  // The request's page-table entries (and query range); an inconsistent one poisons the request.
   const int32_t begin = p.kv_indptr[b], end = p.kv_indptr[b + 1];
   const int32_t npages = end - begin, last = npages > 0 ? p.kv_last[b] : 0;
-  const bool bad_request = begin < 0 || npages < 0 || end > p.nnz || (npages > 0 && (last < 1 || last > p.page_size));
-  const int64_t seq_len = bad_request || npages == 0 ? 0 : static_cast<int64_t>(npages - 1) * p.page_size + last;
-  // A sliding window starts at token `first`: the tiles before its tile are not part of the request's work at all
-  // (never loaded); inside its tile, tokens before it are masked like those past the end.
-  const int64_t first = p.window_left >= 0 ? max(int64_t{0}, seq_len - p.window_left - 1) : 0;
+  bool bad_request = begin < 0 || npages < 0 || end > p.nnz || (npages > 0 && (last < 1 || last > p.page_size));
+  int64_t seq_len = bad_request || npages == 0 ? 0 : static_cast<int64_t>(npages - 1) * p.page_size + last;
+  // The CTA's MMA columns: decode, the group's heads of request b; kMulti, rows row0 .. row0 + n_cols - 1 of request
+  // b's q_len x group (token r / group, head r % group).
+  int64_t q_begin = 0, q_len = 1, row0 = 0;
+  int n_cols = p.group;
+  if constexpr (kMulti) {
+    q_begin = __ldg(p.qo_indptr + b);
+    q_len = __ldg(p.qo_indptr + b + 1) - q_begin;
+    bad_request |= __ldg(p.qo_indptr) != 0 || __ldg(p.qo_indptr + p.batch) != p.nnz_q || q_begin < 0 ||
+                   q_begin + q_len > p.nnz_q || __ldg(p.kv_indptr) != 0 || q_len > seq_len;
+    if (bad_request) seq_len = 0;
+    row0 = int64_t{slot} * p.cols;
+    n_cols = static_cast<int>(min(int64_t{p.cols}, min(max(q_len, int64_t{0}), int64_t{p.nnz_q}) * p.group - row0));
+  }
+  // Column c's row of q and out, and whether it is one (a bad request's query range may leave q).
+  auto out_row = [&](int c) -> int64_t {
+    if constexpr (kMulti) return (q_begin + (row0 + c) / p.group) * p.Hq + head * p.group + (row0 + c) % p.group;
+    else return static_cast<int64_t>(b) * p.Hq + static_cast<int64_t>(head) * p.group + c;
+  };
+  auto is_row = [&](int c) {
+    if constexpr (kMulti) return c < n_cols && q_begin + (row0 + c) / p.group < p.nnz_q && q_begin >= 0;
+    else return c < n_cols;
+  };
+  // Keys column c attends to: [lo, hi) with lo = lo_min + its dlo and hi = hi_min + its dhi, both offsets below 16
+  // (the slot's tokens span at most 16). Decode: the window's first token to seq_len for every head. A sliding
+  // window's tiles before its tile are not part of the CTA's work at all (never loaded); inside a tile, tokens outside
+  // a column's bounds are masked like those past the end.
+  int64_t lo_min, lo_max, hi_min, hi_max;
+  auto bounds = [&](int64_t i, int64_t& lo, int64_t& hi) {  // of query token i (decode: 0 of q_len 1)
+    const int64_t pos = seq_len - q_len + i;
+    hi = kMulti && !p.causal ? seq_len : pos + 1;
+    lo = p.window_left >= 0 ? max(int64_t{0}, pos - p.window_left) : 0;
+    if (bad_request) lo = hi = 0;
+  };
+  bounds(row0 / p.group, lo_min, hi_min);
+  bounds((row0 + max(n_cols, 1) - 1) / p.group, lo_max, hi_max);
+  uint32_t dlo = 0, dhi = 0;  // 4 bits per column of the lane: column 8 n + 2 t + j at bits 4 (2 n + j)
+  if constexpr (kMulti) {
+#pragma unroll
+    for (int n = 0; n < kHeadTiles; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        int64_t lo, hi;
+        bounds((row0 + min(8 * n + 2 * (lane % 4) + j, max(n_cols, 1) - 1)) / p.group, lo, hi);
+        dlo |= static_cast<uint32_t>(lo - lo_min) << (4 * (2 * n + j));
+        dhi |= static_cast<uint32_t>(hi - hi_min) << (4 * (2 * n + j));
+      }
+  }
+  const int64_t first = lo_min;
   const int first_tile = static_cast<int>(first / kTileTokens);
-  const int n_tiles = static_cast<int>((seq_len + kTileTokens - 1) / kTileTokens) - first_tile;
+  const int n_tiles = max(0, static_cast<int>((hi_max + kTileTokens - 1) / kTileTokens) - first_tile);
   const int per_split = ((n_tiles + p.num_splits - 1) / p.num_splits + kWarps - 1) / kWarps * kWarps;
   const int chunk_begin = first_tile + min(split * per_split, n_tiles);
   const int chunk_end = min(chunk_begin + per_split, first_tile + n_tiles);
@@ -433,17 +531,21 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   const int tiles_per_page = p.page_size / kTileTokens;
   auto tile_of = [&](int i) { return chunk_begin + warp + i * kWarps; };
 
-  // Q^T fragments (B operand): head 8 n + g, dims 16 kc + {2t, 2t+1} and 16 kc + {2t+8, 2t+9}.
+  // Q^T fragments (B operand): column 8 n + g, dims 16 kc + {2t, 2t+1} and 16 kc + {2t+8, 2t+9}.
   uint32_t qb[kN][D / 16][2];
 #pragma unroll
-  for (int n = 0; n < kN; ++n)
+  for (int n = 0; n < kN; ++n) {
+    const int col = 8 * n + g;
+    const bool real = is_row(col);
+    const int64_t qrow = real ? out_row(col) : 0;
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int head = 8 * n + g, dim = 16 * kc + 2 * t + 8 * j;
-        qb[n][kc][j] = head < p.group ? *reinterpret_cast<const uint32_t*>(p.q + (qrow0 + head) * D + dim) : 0u;
+        const int dim = 16 * kc + 2 * t + 8 * j;
+        qb[n][kc][j] = real ? *reinterpret_cast<const uint32_t*>(p.q + qrow * D + dim) : 0u;
       }
+  }
 
   uint8_t* ring = smem + warp * C::kRingBytes;
   const uint32_t bars = smem_addr(smem + C::kPipeBytes) + warp * kSlots * 8;
@@ -518,14 +620,14 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   };
 
   // Softmax and PV of one tile whose S^T (st: the sum of its two halves' accumulators) and V registers are ready;
-  // tokens outside [lo, valid) of the tile weigh 0.
-  auto attend = [&](const float (&st)[kN][4], const uint32_t (&vr)[kB][8], int valid, int lo) {
+  // token k of the tile weighs 0 for a column unless lo <= k - its dlo and k - its dhi < hi (lo = lo_min and hi =
+  // hi_min relative to the tile's first token).
+  auto attend = [&](const float (&st)[kN][4], const uint32_t (&vr)[kB][8], int hi, int lo) {
     // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its running max m_run. A tile
     // whose logits all stay within kMaxSlack of m_run is weighed against the stale m_run as it is: its weights stay
     // below 2^kMaxSlack (as exact in float32 and bf16 as weights below 1), so it needs no cross-lane max and no
     // rescale of O. Only a tile where some lane's logit passes m_run + kMaxSlack (a head's first tile, rarely a later
     // one) takes the full update: the max over the head's lanes, then l and O rescaled to it.
-    const bool keep_lo = g >= lo && g < valid, keep_hi = g + 8 >= lo && g + 8 < valid;
     float x[kN][4];
     if (p.cap_log2 > 0.f) {
 #pragma unroll
@@ -543,8 +645,9 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        x[n][j] = keep_lo ? x[n][j] : -INFINITY;
-        x[n][2 + j] = keep_hi ? x[n][2 + j] : -INFINITY;
+        const int dl = kMulti ? (dlo >> (4 * (2 * n + j))) & 15 : 0, dh = kMulti ? (dhi >> (4 * (2 * n + j))) & 15 : 0;
+        x[n][j] = g - dl >= lo && g - dh < hi ? x[n][j] : -INFINITY;
+        x[n][2 + j] = g + 8 - dl >= lo && g + 8 - dh < hi ? x[n][2 + j] : -INFINITY;
         grow |= fmaxf(x[n][j], x[n][2 + j]) > m_run[n][j] + kMaxSlack;  // m_run = -inf: any kept token
       }
     if (__any_sync(0xFFFFFFFFu, grow)) {
@@ -614,8 +717,8 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       constexpr uint32_t kTileComp = kAllComp | kAllComp << 2;
       const TileRec<D>& rec_b = table[((i + 1) / 32 % 2) * 32 + (i + 1) % 32];
       if (i + 1 < issued && kinds == kTileComp && rec_b.kinds == kTileComp &&
-          seq_len - int64_t{kTileTokens} * tile_of(i + 1) >= kTileTokens &&
-          (tile_of(i) != first_tile || first % kTileTokens == 0)) {
+          hi_min - int64_t{kTileTokens} * tile_of(i + 1) >= kTileTokens &&
+          int64_t{kTileTokens} * tile_of(i) >= lo_max) {
         const int size_b = static_cast<int>((rec_b.bytes & 0xFFFFu) + (rec_b.bytes >> 16));
         const bool wrap_b = start + size + size_b > C::kRingBytes;
         const int start_b = wrap_b ? 0 : start + size;
@@ -659,9 +762,9 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
         __syncwarp();
         // The refill (which may plan a round of tiles) waits for tile i's softmax and PV, so that only tile i + 1's V
         // registers stay live across it (before it, they spilled).
-        attend(sa, va, kTileTokens, 0);
+        attend(sa, va, kTileTokens, -kTileTokens);
         fill(i + 2);
-        attend(sb, vb, kTileTokens, 0);
+        attend(sb, vb, kTileTokens, -kTileTokens);
         ++i;
         continue;
       }
@@ -669,9 +772,11 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     refused |= (invalid_desc_bytes(descs.x) | invalid_desc_bytes(descs.y) | invalid_desc_bytes(descs.z) |
                 invalid_desc_bytes(descs.w)) != 0;         // only kDescBad is invalid here
     mbar_wait(bars + 8 * (i % kSlots), (i / kSlots) & 1);  // tile i has landed
-    const int64_t left = seq_len - int64_t{kTileTokens} * tile_of(i);
-    const int valid = left < kTileTokens ? static_cast<int>(left) : kTileTokens;
-    const int lo = tile_of(i) == first_tile ? static_cast<int>(first % kTileTokens) : 0;  // first token kept
+    // The columns' bounds relative to the tile's first token, clamped to what a tile can tell apart.
+    const int64_t tile0 = int64_t{kTileTokens} * tile_of(i);
+    const int lo = static_cast<int>(min(max(lo_min - tile0, int64_t{-kTileTokens}), int64_t{kTileTokens}));
+    const int hi = static_cast<int>(min(max(hi_min - tile0, int64_t{-kTileTokens}), int64_t{2 * kTileTokens}));
+    const int hi_any = hi + static_cast<int>(min(hi_max - hi_min, int64_t{kTileTokens}));  // past every column's
 
     // The lane's registers of a stream's blocks (V's bytes follow K's). An all-compressed tile (every block of random
     // data, most tiles of real V) takes one straight line for both streams, V at a fixed offset (per-stream
@@ -734,11 +839,11 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 
     uint32_t vr[kB][8];
     rebuild_blocks(1, vr);
-    if (valid < kTileTokens || lo > 0) {
+    if (hi_any < kTileTokens || lo > 0) {
       // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
-      // their V values, as 0 * NaN would poison the product although their probability is 0. Lane word j holds
-      // tokens 2t, 2t + 1 (j / 2 even) or 2t + 8, 2t + 9 (j / 2 odd).
-      auto kept = [&](int tok) { return tok >= lo && tok < valid; };
+      // the V values of those no column attends to, as 0 * NaN would poison the product although their probability
+      // is 0. Lane word j holds tokens 2t, 2t + 1 (j / 2 even) or 2t + 8, 2t + 9 (j / 2 odd).
+      auto kept = [&](int tok) { return tok >= lo && tok < hi_any; };
       uint32_t vmask[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -760,7 +865,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int j = 0; j < 4; ++j) s[n][j] += s2[n][j];
-    attend(s, vr, valid, lo);
+    attend(s, vr, hi, lo);
     if constexpr (!kEarlyRelease) release();
   }
 
@@ -789,8 +894,9 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   __syncthreads();
 
   const float nan = __int_as_float(0x7FFFFFFF);
-  for (int x = threadIdx.x; x < p.group * D; x += C::kThreads) {
+  for (int x = threadIdx.x; x < n_cols * D; x += C::kThreads) {
     const int row = x / D, dim = x % D;
+    if (!is_row(row)) continue;
     float m = -INFINITY;
     // A warp that refused a block has l = NaN, but its max can still be -inf (fmaxf drops the NaN logits of garbage
     // bytes), and then the weighted sum below never reads its l: test it apart, or the request reads as empty (0).
@@ -811,15 +917,14 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     }
     const float val = bad_request || poisoned ? nan : l == 0.f ? 0.f : acc / l;
     const float lse2 = bad_request || poisoned ? nan : l == 0.f ? -INFINITY : m + log2f(l);
-    const int64_t qrow = qrow0 + row;
+    const int64_t qrow = out_row(row);
     if (p.num_splits == 1) {
       const __nv_bfloat16 v = __float2bfloat16_rn(val);
       p.out[qrow * D + dim] = *reinterpret_cast<const uint16_t*>(&v);
       if (p.lse != nullptr && dim == 0) p.lse[qrow] = lse2 / kLog2e;
     } else {
-      const int64_t rows = static_cast<int64_t>(p.batch) * p.Hq;
-      p.part_o[(split * rows + qrow) * D + dim] = val;
-      if (dim == 0) p.part_lse[split * rows + qrow] = lse2;
+      p.part_o[(split * p.rows + qrow) * D + dim] = val;
+      if (dim == 0) p.part_lse[split * p.rows + qrow] = lse2;
     }
   }
 }
@@ -835,7 +940,7 @@ __global__ void __launch_bounds__(32 * kMergeRows) merge_splits_kernel(const Par
   using Vec = std::conditional_t<kV == 2, float2, float4>;
   constexpr int kVecs = kV * 4 / static_cast<int>(sizeof(Vec));
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.Hq;
+  const int64_t rows = p.rows;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRows + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
@@ -892,10 +997,11 @@ __global__ void __launch_bounds__(32 * kMergeRows) merge_splits_kernel(const Par
 constexpr bool has_six_warps(int head_dim, int group) { return head_dim == 128 && group <= 8; }
 
 // Host side, one instantiation per head_dim (paged_decode_hd*.cu): occupancy of the kernel, and the launches.
-// warps: 4, or 6 where has_six_warps; other values mean 4.
+// warps: 4, or 6 where has_six_warps (never with multi); other values mean 4. cols: the MMA columns a CTA fills,
+// the group (decode) or Params::cols (multi: kMulti).
 template <int D>
-int ctas_per_sm(int group, int warps);
+int ctas_per_sm(int cols, int warps, bool multi);
 template <int D>
-void launch(const Params& p, int warps, cudaStream_t stream);
+void launch(const Params& p, int warps, bool multi, cudaStream_t stream);
 
 }  // namespace zipkv::cuda::decode

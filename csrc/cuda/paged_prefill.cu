@@ -1,17 +1,43 @@
-// CUDA op zipkv::paged_prefill: argument checks, the grid from shapes alone, and the dispatch on head_dim (kernel in
-// paged_prefill.cuh). No tensor contents are read on the host, so the op never syncs and can be captured in a CUDA
-// Graph: the grid covers the most tiles any qo_indptr of this nnz_q and batch can make, and CTAs past the real last
-// tile exit at once.
+// CUDA op zipkv::paged_prefill: argument checks, the choice of kernel and its grid from shapes alone, and the dispatch
+// on head_dim; zipkv::prefill_plan tells the choice without running it. No tensor contents are read on the host, so
+// the op never syncs and can be captured in a CUDA Graph: each grid covers the most CTAs any qo_indptr of this nnz_q
+// and batch can make, and CTAs past the real last one exit at once.
+//
+// Two kernels, by the mean query rows (q_len x group) per request:
+// - short queries (speculative verification, a few decode steps at once): the decode kernel's kMulti variant
+//   (paged_decode.cuh), memory-bound like decode, each tile streamed once for up to 16 query rows of a request;
+// - longer ones (chunked prefill): the tile kernel (paged_prefill.cuh), compute-bound, 64 query rows per CTA, each
+//   K/V tile rebuilt into shared memory once per CTA for the ordinary ldmatrix + MMA path.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "../checks.h"
+#include "paged_decode_plan.h"
 #include "paged_prefill.cuh"
 
 namespace zipkv::cuda {
 namespace {
+
+// Up to this many query rows (q_len x group) per request on average the decode kernel serves the batch: one pass over
+// each request's pages per 16 rows, where the tile kernel's CTAs of 64 rows would stream the pages at a quarter of
+// their MMA rows' use or less. (Measured against the tile kernel: docs/performance.md, paged prefill.)
+constexpr int64_t kShortRows = 32;
+
+bool short_queries(int64_t nnz_q, int64_t batch, int64_t group) { return nnz_q * group <= kShortRows * batch; }
+
+// The decode kernel's MMA columns for these short queries: 8 when a request's rows fit one N tile on average.
+int short_cols(int64_t nnz_q, int64_t batch, int64_t group) { return nnz_q * group <= 8 * batch ? 8 : 16; }
+
+// The decode kernel's CTAs per kv head before splitting: request b takes ceil(q_len_b x group / cols) slots, at most
+// nnz_q x group / cols + batch in all whatever the q lengths; the plan is made for an even batch.
+int64_t short_slots(int64_t nnz_q, int64_t batch, int64_t group, int cols) { return nnz_q * group / cols + batch; }
+int64_t short_even_slots(int64_t nnz_q, int64_t batch, int64_t group, int cols) {
+  return batch * ((nnz_q * group + batch * cols - 1) / (batch * cols));
+}
 
 void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const at::Tensor& data,
                         const at::Tensor& meta, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
@@ -26,6 +52,48 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   const int D = q.size(2), H = meta.size(2), Hq = q.size(1);
   TORCH_CHECK_VALUE((nnz_q + batch) * H < (int64_t{1} << 31), "zipkv.paged_prefill: q's (nnz_q + batch) x ",
                     "num_kv_heads must be below 2^31, got (", nnz_q, " + ", batch, ") x ", H);
+
+  const int64_t group = Hq / H;
+  if (short_queries(nnz_q, batch, group)) {
+    const int cols = short_cols(nnz_q, batch, group);
+    decode::Params p{};
+    p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+    p.data = data.data_ptr<uint8_t>();
+    p.meta = meta.data_ptr<int32_t>();
+    p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+    p.kv_indices = kv_indices.data_ptr<int32_t>();
+    p.kv_last = kv_last_page_len.data_ptr<int32_t>();
+    p.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+    p.data_bytes = data.numel();
+    p.num_pages = meta.size(0);
+    p.nnz = kv_indices.size(0);
+    p.batch = static_cast<int>(batch);
+    p.Hq = Hq;
+    p.H = H;
+    p.group = static_cast<int>(group);
+    p.page_size = static_cast<int>(page_size);
+    p.words = meta.size(3);
+    p.window_left = static_cast<int>(window_left);
+    p.scale_log2 = static_cast<float>(sm_scale) * decode::kLog2e;
+    if (logits_soft_cap > 0.0) {
+      p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
+      p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
+    }
+    p.qo_indptr = qo_indptr.data_ptr<int32_t>();
+    p.nnz_q = static_cast<int>(nnz_q);
+    p.causal = causal ? 1 : 0;
+    p.cols = cols;
+    p.slots = short_slots(nnz_q, batch, group, cols);
+    p.rows = nnz_q * Hq;
+    TORCH_CHECK_VALUE(p.slots * H * decode::kMaxSplits < (int64_t{1} << 31), "zipkv.paged_prefill: q's (nnz_q x ",
+                      "group / ", cols, " + batch) x num_kv_heads must be below 2^31 / ", decode::kMaxSplits, ", got (",
+                      nnz_q, " x ", group, " / ", cols, " + ", batch, ") x ", H);
+    const DecodeLaunch plan = plan_decode_launch(short_even_slots(nnz_q, batch, group, cols) * H, batch, p.nnz,
+                                                 page_size, D, cols, window_left, true);
+    launch_decode(p, plan, D, true, q);
+    return;
+  }
 
   prefill::Params p{};
   p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -44,7 +112,7 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   p.batch = static_cast<int>(batch);
   p.Hq = Hq;
   p.H = H;
-  p.group = Hq / H;
+  p.group = static_cast<int>(group);
   p.page_size = static_cast<int>(page_size);
   p.words = meta.size(3);
   p.tile_tokens = prefill::kRows / p.group;
@@ -67,8 +135,30 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   }
 }
 
+// The kernel paged_prefill would run for these shapes and its plan: {kernel (1: the decode kernel's short-query
+// variant, 0: the tile kernel, -1: none, an empty batch), splits, warps per CTA, CTAs per SM (0: the tile kernel's is
+// not asked), query rows per CTA}.
+std::vector<int64_t> prefill_plan_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const at::Tensor& meta,
+                                       int64_t nnz_pages, int64_t page_size, int64_t window_left) {
+  const char* op = "prefill_plan";
+  check_plan_args(op, q, meta, nnz_pages, page_size, window_left);
+  check_tensor(qo_indptr, op, "qo_indptr", at::kInt, 1, q.device());
+  TORCH_CHECK_VALUE(qo_indptr.size(0) >= 1, "zipkv.prefill_plan: qo_indptr must have batch + 1 >= 1 entries, got 0");
+  const int64_t nnz_q = q.size(0), batch = qo_indptr.size(0) - 1, H = meta.size(2), group = q.size(1) / H;
+  if (nnz_q == 0 || q.size(1) == 0 || batch == 0) return {-1, 0, 0, 0, 0};
+  if (!short_queries(nnz_q, batch, group)) return {0, 1, prefill::kWarps, 0, prefill::kRows};
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int cols = short_cols(nnz_q, batch, group);
+  const DecodeLaunch plan = plan_decode_launch(short_even_slots(nnz_q, batch, group, cols) * H, batch, nnz_pages,
+                                               page_size, q.size(2), cols, window_left, true);
+  return {1, plan.splits, plan.warps, plan.ctas_per_sm, cols};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zipkv, CUDA, m) { m.impl("paged_prefill", &paged_prefill_cuda); }
+TORCH_LIBRARY_IMPL(zipkv, CUDA, m) {
+  m.impl("paged_prefill", &paged_prefill_cuda);
+  m.impl("prefill_plan", &prefill_plan_cuda);
+}
 
 }  // namespace zipkv::cuda
