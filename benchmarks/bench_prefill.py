@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -220,7 +221,26 @@ def main() -> None:
         cases = [(512, 8192, 1), (512, 8192, 8), (4, 8192, 32)]
         ttft["iters"] = 2
         args.iters = min(args.iters, 10)
-    rows = []
+    rows, t = [], None
+
+    def write() -> None:  # after every case: a run cut short still leaves what it measured
+        result = {
+            "benchmark": "bench_prefill",
+            "command": "python " + " ".join(sys.argv),
+            "commit": os.environ.get("ZIPKV_COMMIT"),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "iters": args.iters,
+            "method": "median of CUDA-event timings, variants of a case round-robin (random order each round), L2 "
+                      f"flushed by reading 256 MB before each call, then a GPU spin of {bd.PAD_CYCLES} cycles; causal; "
+                      "separate KV per request, random page order, page 16; the query tokens are each request's last "
+                      "q_len tokens",
+            "cases": rows,
+            "engine_ttft": t,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_prefill.json").write_text(json.dumps(result, indent=1))
+
     print(f"{'q_len':>5} {'ctx':>6} {'bs':>3} | {'zipkv real':>11} {'zipkv rnd':>11} {'zipkv raw':>11} "
           f"{'fi real':>11} {'decode':>10} | vs FI real/rnd/raw | vs own decode")
     for q_len, ctx, batch in cases:
@@ -233,28 +253,15 @@ def main() -> None:
               f"{cell('zipkv_raw'):>11} {cell('flashinfer_real_like'):>11} {cell('zipkv_decode_real_like'):>10} | "
               f"{sp('zipkv_real_like')}/{sp('zipkv_random')}/{sp('zipkv_raw')} | "
               f"{sp('zipkv_real_like', 'time_vs_own_decode')}", flush=True)
+        write()
         torch.cuda.empty_cache()
-    t = None
     if args.cases != "speculative":
         t = engine_ttft(LLAMA, ttft["prompt"], ttft["chunk"], ttft["iters"], streams, gen)
         paged, gather = t["results"]["paged_prefill"], t["results"]["gather_sdpa"]
         print(f"engine TTFT attention, 8K prompt in chunks of 512, x32 layers: paged_prefill "
               f"{paged['us_32_layers'] / 1e3:.2f} ms, gather + SDPA {gather['us_32_layers'] / 1e3:.2f} ms "
               f"({paged['time_vs_gather_path']:.3f}x)")
-    result = {
-        "benchmark": "bench_prefill",
-        "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "iters": args.iters,
-        "method": "median of CUDA-event timings, variants of a case round-robin (random order each round), L2 flushed "
-                  f"by reading 256 MB before each call, then a GPU spin of {bd.PAD_CYCLES} cycles; causal; separate KV "
-                  "per request, random page order, page 16; the query tokens are each request's last q_len tokens",
-        "cases": rows,
-        "engine_ttft": t,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_prefill.json").write_text(json.dumps(result, indent=1))
+    write()
     print(f"wrote {args.out / 'bench_prefill.json'}")
 
 
