@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The H200 box, 2026-12-04: the six calls behind bench_prefill_h200.json, bench_projections_h200.json,
-# bench_e2e_h200.json, bench_prefix_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log.
+# The H200 box, 2026-12-04: the eight calls behind bench_prefill_h200.json, bench_projections_h200.json,
+# bench_e2e_h200.json, bench_prefix_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log,
+# test_prefill_kernels.log, test_decode_engine_multi.log.
 # Each call ran one of the scripts below as .box/runN.sh, with carry [".box"] (box.sh, the FlashInfer wheels, and
 # .box/data/real_kv.pt from `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`).
 #   call 1 (c3b3c75): run1.sh   the GPU test files (307 passed; test_compile.py not collected: no expecttest on the box),
@@ -12,6 +13,12 @@
 #   call 5 (5bd754c): WORKLOADS=shared PREFIX_LIMIT=540 bash run4.sh   bench_prefix at full size, the shared prompt
 #   call 6 (5bd754c): WORKLOADS=chat PREFIX_LIMIT=540 bash run4.sh     bench_prefix at full size, the chat (a freshly
 #                               started box, rebuilt); the two merged into bench_prefix_h200.json
+#   call 7 (74f6f6f): run5.sh   paged_prefill's short queries on the decode kernel: the prefill, error and decode GPU
+#                               tests (test_prefill_kernels.log: 202 passed, test_compile.py not collected; and
+#                               test_decode_engine_multi.log: 90 passed, 1 skipped), bench_prefill --cases speculative
+#                               (cut by its timeout after 5 of 6 cases; superseded by call 8)
+#   call 8 (708c588): COMMIT=708c588 bash run6.sh   bench_prefill --cases speculative: its cases replace the
+#                               speculative rows of bench_prefill_h200.json (the file's note)
 
 # ---- .box/run1.sh
 # build; the GPU tests of paged_prefill, the engine (compiled, prefix caching), decode and transformers; then
@@ -73,4 +80,34 @@ export PYTHONPATH=/tmp/zipkv-site:$PWD
 echo "built at $SECONDS s"
 python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads ${WORKLOADS:-shared} \
   --time-limit ${PREFIX_LIMIT:-540} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -40
+echo "all $SECONDS s"
+
+# ---- .box/run5.sh
+# build; the GPU tests of paged_prefill (both kernels), decode and the engine; bench_prefill's speculative cases.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout ${T1:-230} python3 -m pytest test/test_paged_prefill_cuda.py test/test_errors.py test/test_compile.py -q \
+  -p no:cacheprovider -n 8 -rfE 2>&1 | tee "$OUT/tests/prefill.log" | grep -v "Warn\|warn" | tail -30
+echo "prefill tests at $SECONDS s"
+timeout ${T2:-150} python3 -m pytest test/test_decode_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 \
+  -rfE 2>&1 | tee "$OUT/tests/decode.log" | grep -v "Warn\|warn" | tail -12
+echo "decode tests at $SECONDS s"
+timeout ${T3:-170} python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters ${ITERS:-20} 2>&1 \
+  | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -16
+echo "all $SECONDS s"
+
+# ---- .box/run6.sh
+# build; bench_prefill's speculative cases (q_len 2, 4, 8 over 8K, batch 32 and 64) with FlashInfer in the same run.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}
+export PYTHONUNBUFFERED=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt ZIPKV_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "$COMMIT")
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout ${T3:-400} python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters ${ITERS:-20} 2>&1 \
+  | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -16
 echo "all $SECONDS s"
