@@ -122,62 +122,44 @@ def test_short_queries_ragged_batches(gen, kv_lens, q_lens, group):
     check(out, lse, cpu, ref, ref_lse)
 
 
+# Per kernel: (kv_lens, q_lens (None: random_q_lens, the first = its kv_len), query heads over 2 kv heads).
+WINDOW_CASES = {"tiles": ([1000, 17, 1, 200], None, 8), "decode": ([3000, 17, 1, 200], [16, 8, 1, 16], 2)}
+
+
 @pytest.mark.parametrize("window_left", [0, 5, 15, 16, 40, 300, 5000])
 @pytest.mark.parametrize("causal", [True, False])
-def test_short_queries_sliding_window(gen, window_left, causal):
-    """Each row's window starts at its own token's position: within a slot of 16 rows the starts differ by up to 15."""
+@pytest.mark.parametrize("kernel", ["tiles", "decode"])
+def test_sliding_window(gen, window_left, causal, kernel):
+    """Each row's window starts at its own token's position (the decode kernel: within a slot of 16 rows the starts
+    differ by up to 15)."""
+    kv_lens, q_lens, heads = WINDOW_CASES[kernel]
     kv = random_kv(220, 16, 2, 128, gen)
-    kv_lens = [3000, 17, 1, 200]
-    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(220, generator=gen) < 0.4, kv_lens, [16, 8, 1, 16], 2,
-                                              gen, window_left=window_left, causal=causal, kernel="decode")
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(220, generator=gen) < 0.4, kv_lens,
+                                              q_lens or random_q_lens(kv_lens, gen), heads, gen,
+                                              window_left=window_left, causal=causal, kernel=kernel)
     check(out, lse, cpu, ref, ref_lse)
 
 
 @pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
-def test_short_queries_logits_soft_cap(gen, cap):
+@pytest.mark.parametrize("kernel", ["tiles", "decode"])
+def test_logits_soft_cap(gen, cap, kernel):
     kv = random_kv(50, 16, 2, 256, gen, scale=3.0)
     kv_lens = [600, 33, 7]
-    out, lse, cpu, ref, ref_lse = prefill_all(kv, None, kv_lens, [8, 4, 7], 4, gen, scale=0.5, logits_soft_cap=cap,
-                                              window_left=100, kernel="decode")
+    q_lens = random_q_lens(kv_lens, gen) if kernel == "tiles" else [8, 4, 7]
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, None, kv_lens, q_lens, 4, gen, scale=0.5, logits_soft_cap=cap,
+                                              window_left=100, kernel=kernel)
     check(out, lse, cpu, ref, ref_lse)
 
 
 @pytest.mark.parametrize("page_size, head_dim", [(32, 64), (64, 128), (128, 256), (48, 64)])
-def test_short_queries_larger_pages(gen, page_size, head_dim):
-    kv = with_zeros(random_kv(12, page_size, 2, head_dim, gen), gen, rate=2e-3)
-    kv_lens = [3 * page_size, page_size + 3, 1, 2 * page_size - 5]
-    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(12, generator=gen) < 0.3, kv_lens, [5, 4, 1, 8], 6, gen,
-                                              kernel="decode")
-    check(out, lse, cpu, ref, ref_lse)
-
-
-@pytest.mark.parametrize("window_left", [0, 5, 15, 16, 40, 300, 5000])
-@pytest.mark.parametrize("causal", [True, False])
-def test_sliding_window(gen, window_left, causal):
-    kv = random_kv(80, 16, 2, 128, gen)
-    kv_lens = [1000, 17, 1, 200]
-    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(80, generator=gen) < 0.4, kv_lens,
-                                              random_q_lens(kv_lens, gen), 8, gen, window_left=window_left,
-                                              causal=causal)
-    check(out, lse, cpu, ref, ref_lse)
-
-
-@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
-def test_logits_soft_cap(gen, cap):
-    kv = random_kv(50, 16, 2, 256, gen, scale=3.0)
-    kv_lens = [600, 33, 7]
-    out, lse, cpu, ref, ref_lse = prefill_all(kv, None, kv_lens, random_q_lens(kv_lens, gen), 4, gen, scale=0.5,
-                                              logits_soft_cap=cap, window_left=100)
-    check(out, lse, cpu, ref, ref_lse)
-
-
-@pytest.mark.parametrize("page_size, head_dim", [(32, 64), (64, 128), (128, 256), (48, 64)])
-def test_larger_pages(gen, page_size, head_dim):
+@pytest.mark.parametrize("kernel", ["tiles", "decode"])
+def test_larger_pages(gen, page_size, head_dim, kernel):
     """Tiles past the first of a page find their blocks after the raw blocks before them in the meta row."""
     kv = with_zeros(random_kv(12, page_size, 2, head_dim, gen), gen, rate=2e-3)
     kv_lens = [3 * page_size, page_size + 3, 1, 2 * page_size - 5]
-    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(12, generator=gen) < 0.3, kv_lens,
-                                              random_q_lens(kv_lens, gen), 6, gen)
+    q_lens = random_q_lens(kv_lens, gen) if kernel == "tiles" else [5, 4, 1, 8]
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(12, generator=gen) < 0.3, kv_lens, q_lens, 6, gen,
+                                              kernel=kernel)
     check(out, lse, cpu, ref, ref_lse)
 
 

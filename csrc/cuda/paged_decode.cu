@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "attention_params.h"
 #include "paged_decode.cuh"
 #include "paged_decode_plan.h"
 #include "smem_limit.cuh"
@@ -173,29 +174,10 @@ void paged_decode_cuda(const at::Tensor& q, const at::Tensor& data, const at::Te
                     "num_kv_heads must be below 2^31 / ", decode::kMaxSplits, ", got ", batch, " x ", H);
 
   decode::Params p{};
-  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  p.data = data.data_ptr<uint8_t>();
-  p.meta = meta.data_ptr<int32_t>();
-  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
-  p.kv_indices = kv_indices.data_ptr<int32_t>();
-  p.kv_last = kv_last_page_len.data_ptr<int32_t>();
-  p.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.data_bytes = data.numel();
-  p.num_pages = meta.size(0);
+  set_attention_params(p, q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
+                       window_left, logits_soft_cap);
   p.nnz = kv_indices.size(0);
   p.batch = static_cast<int>(batch);
-  p.Hq = Hq;
-  p.H = H;
-  p.group = Hq / H;
-  p.page_size = static_cast<int>(page_size);
-  p.words = meta.size(3);
-  p.window_left = static_cast<int>(window_left);
-  p.scale_log2 = static_cast<float>(sm_scale) * decode::kLog2e;
-  if (logits_soft_cap > 0.0) {
-    p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
-    p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
-  }
   p.slots = batch;
   p.rows = batch * Hq;
   const DecodeLaunch plan = plan_decode_launch(batch * H, batch, p.nnz, page_size, D, p.group, window_left, false);

@@ -49,6 +49,7 @@
 
 #include "../format.h"
 #include "block_io.cuh"
+#include "request_search.cuh"
 
 namespace zipkv::cuda::decode {
 
@@ -406,37 +407,6 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
   }
 }
 
-// kMulti: which request and which of its slots CTA row s is. Request b owns ceil(q_len_b x group / cols) consecutive
-// slots (a prefix sum over the batch, 32 requests per step; every warp finds it alone, no barrier); b = -1 past the
-// last. q_len is clamped to [0, nnz_q] as the host's bound on the slots assumes.
-__device__ __forceinline__ void find_slot(const Params& p, int64_t s, int lane, int& b_out, int& slot_out) {
-  int64_t base = 0;
-  for (int b0 = 0; b0 < p.batch; b0 += 32) {
-    const int b = b0 + lane;
-    int64_t n = 0;
-    if (b < p.batch) {
-      const int64_t q_len = int64_t{__ldg(p.qo_indptr + b + 1)} - __ldg(p.qo_indptr + b);
-      n = (min(max(q_len, int64_t{0}), int64_t{p.nnz_q}) * p.group + p.cols - 1) / p.cols;
-    }
-    int64_t incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int64_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    const int64_t excl = base + incl - n;
-    const unsigned mine = __ballot_sync(0xFFFFFFFFu, n > 0 && s >= excl && s < excl + n);
-    if (mine) {
-      const int src = __ffs(mine) - 1;
-      b_out = b0 + src;
-      slot_out = static_cast<int>(s - __shfl_sync(0xFFFFFFFFu, excl, src));
-      return;
-    }
-    base += __shfl_sync(0xFFFFFFFFu, incl, 31);
-  }
-  b_out = -1, slot_out = 0;
-}
-
 // ---------------------------------------------------------------------------------------------- the kernel
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
@@ -463,8 +433,10 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   const int head = static_cast<int>(kMulti ? cta / p.slots : cta % p.H);
   int b, slot = 0;
   if constexpr (kMulti) {
-    find_slot(p, cta % p.slots, lane, b, slot);
-    if (b < 0) return;  // past the last slot
+    // Request b owns ceil(q_len_b x group / cols) slots (every warp finds its CTA's alone).
+    const RequestUnit u = find_request_unit(p.qo_indptr, p.batch, p.nnz_q, p.group, p.cols, cta % p.slots, lane);
+    if (u.request < 0) return;  // past the last slot
+    b = u.request, slot = static_cast<int>(u.index);
   } else {
     b = static_cast<int>(cta / p.H);
   }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "attention_params.h"
 #include "paged_decode_plan.h"
 #include "paged_prefill.cuh"
 
@@ -57,29 +58,10 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   if (short_queries(nnz_q, batch, group)) {
     const int cols = short_cols(nnz_q, batch, group);
     decode::Params p{};
-    p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-    p.data = data.data_ptr<uint8_t>();
-    p.meta = meta.data_ptr<int32_t>();
-    p.kv_indptr = kv_indptr.data_ptr<int32_t>();
-    p.kv_indices = kv_indices.data_ptr<int32_t>();
-    p.kv_last = kv_last_page_len.data_ptr<int32_t>();
-    p.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-    p.data_bytes = data.numel();
-    p.num_pages = meta.size(0);
+    set_attention_params(p, q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
+                         window_left, logits_soft_cap);
     p.nnz = kv_indices.size(0);
     p.batch = static_cast<int>(batch);
-    p.Hq = Hq;
-    p.H = H;
-    p.group = static_cast<int>(group);
-    p.page_size = static_cast<int>(page_size);
-    p.words = meta.size(3);
-    p.window_left = static_cast<int>(window_left);
-    p.scale_log2 = static_cast<float>(sm_scale) * decode::kLog2e;
-    if (logits_soft_cap > 0.0) {
-      p.cap_log2 = static_cast<float>(logits_soft_cap) * decode::kLog2e;
-      p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
-    }
     p.qo_indptr = qo_indptr.data_ptr<int32_t>();
     p.nnz_q = static_cast<int>(nnz_q);
     p.causal = causal ? 1 : 0;
@@ -96,33 +78,14 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   }
 
   prefill::Params p{};
-  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  set_attention_params(p, q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
+                       window_left, logits_soft_cap);
   p.qo_indptr = qo_indptr.data_ptr<int32_t>();
-  p.data = data.data_ptr<uint8_t>();
-  p.meta = meta.data_ptr<int32_t>();
-  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
-  p.kv_indices = kv_indices.data_ptr<int32_t>();
-  p.kv_last = kv_last_page_len.data_ptr<int32_t>();
-  p.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.data_bytes = data.numel();
-  p.num_pages = meta.size(0);
   p.nnz_kv = kv_indices.size(0);
   p.nnz_q = static_cast<int>(nnz_q);
   p.batch = static_cast<int>(batch);
-  p.Hq = Hq;
-  p.H = H;
-  p.group = static_cast<int>(group);
-  p.page_size = static_cast<int>(page_size);
-  p.words = meta.size(3);
   p.tile_tokens = prefill::kRows / p.group;
   p.causal = causal ? 1 : 0;
-  p.window_left = static_cast<int>(window_left);
-  p.scale_log2 = static_cast<float>(sm_scale) * prefill::kLog2e;
-  if (logits_soft_cap > 0.0) {
-    p.cap_log2 = static_cast<float>(logits_soft_cap) * prefill::kLog2e;
-    p.scale_cap = static_cast<float>(sm_scale / logits_soft_cap);
-  }
   // Request b takes ceil(q_len_b / T) tiles: at most nnz_q / T + batch in all, whatever the q lengths.
   const int64_t ctas = nnz_q / p.tile_tokens + batch;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

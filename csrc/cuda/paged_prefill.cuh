@@ -35,6 +35,7 @@
 
 #include "../format.h"
 #include "block_io.cuh"
+#include "request_search.cuh"
 
 namespace zipkv::cuda::prefill {
 
@@ -250,32 +251,8 @@ __global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params
   // batch, 32 requests per step of warp 0). Within a request the last tiles come first: under a causal mask they see
   // the most keys, and the CTAs that start first should take them.
   if (warp == 0) {
-    int64_t base = 0;
-    int found = -1, tile = 0;
-    for (int b0 = 0; b0 < p.batch && found < 0; b0 += 32) {
-      const int b = b0 + lane;
-      int64_t n = 0;
-      if (b < p.batch) {
-        const int64_t q_len = min(max(int64_t{__ldg(qo + b + 1)} - __ldg(qo + b), int64_t{0}), int64_t{p.nnz_q});
-        n = (q_len + T - 1) / T;
-      }
-      int64_t incl = n;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int64_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      const int64_t excl = base + incl - n;
-      const unsigned mine = __ballot_sync(0xFFFFFFFFu, n > 0 && blockIdx.x >= excl && blockIdx.x < excl + n);
-      if (mine) {
-        const int src = __ffs(mine) - 1;
-        const int64_t first = __shfl_sync(0xFFFFFFFFu, excl, src), count = __shfl_sync(0xFFFFFFFFu, n, src);
-        found = b0 + src;
-        tile = static_cast<int>(count - 1 - (blockIdx.x - first));
-      }
-      base += __shfl_sync(0xFFFFFFFFu, incl, 31);
-    }
-    if (lane == 0) s_request = found, s_tile = tile, s_bad = 0;
+    const RequestUnit u = find_request_unit(qo, p.batch, p.nnz_q, 1, T, blockIdx.x, lane);
+    if (lane == 0) s_request = u.request, s_tile = static_cast<int>(u.count - 1 - u.index), s_bad = 0;
   }
   __syncthreads();
   const int b = s_request;

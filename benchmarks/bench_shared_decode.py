@@ -1,0 +1,114 @@
+"""Decode over a shared prompt prefix (GPU): paged_decode on compressed against raw pages when every request's first
+pages are the same page ids, as prefix caching makes them, against the same shape with no page shared.
+
+    python benchmarks/bench_shared_decode.py --out DIR [--iters 30]
+
+Why: with caching on, bench_prefix's shared-prompt load decodes 4,096 shared + 768 own tokens per request, and the
+compressed engine's steps took longer than the raw engine's with the same work (docs/performance.md, prefix
+caching). A shared prefix is 16 MiB a layer at the Llama-3.1-8B attention shape, small enough to stay in the 50 MB
+L2 while the batch reads it, so decode there may no longer be bound by HBM, where fewer bytes are what compression
+buys. This measures the decode kernel alone on that page table. Llama-3.1-8B attention shape, page 16, real-like
+pages (every 16 x 64 stream from SmolLM2's real cache: $ZIPKV_REAL_KV or the model package), private pages in random
+order; L2 flushed before every timed call, variants round-robin, medians (bench_decode.py's time_round_robin).
+Writes bench_shared_decode.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_decode as bd  # noqa: E402  (timing, real-like pages, storage)
+
+import torch_zipkv  # noqa: E402
+from torch_zipkv import format as fmt  # noqa: E402
+
+PAGE = bd.PAGE
+
+
+def page_table(batch: int, shared: int, own: int, gen, device="cuda"):
+    """Every request reads the same `shared` tokens' pages first (page ids 0 ..), then `own` tokens of its own pages
+    (random ids after the shared ones): indptr, indices, last_page_len, and the number of distinct pages."""
+    s, o = shared // PAGE, own // PAGE
+    private = (torch.randperm(batch * o, generator=gen) + s).to(torch.int32).view(batch, o)
+    prefix = torch.arange(s, dtype=torch.int32).expand(batch, s)
+    indices = torch.cat([prefix, private], 1).flatten().to(device)
+    indptr = torch.arange(0, batch * (s + o) + 1, s + o, dtype=torch.int32, device=device)
+    last = torch.full((batch,), PAGE, dtype=torch.int32, device=device)
+    return indptr, indices, last, s + batch * o
+
+
+def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams, flush, gen) -> dict:
+    Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
+    q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).cuda()
+    row = {"shape": shape["name"], "batch": batch, "shared_tokens": shared, "own_tokens": own}
+    fns, info = {}, {}
+    for layout, sh in (("shared", shared), ("unshared", 0)):
+        indptr, indices, last, n = page_table(batch, sh, own + shared - sh, gen)
+        kv = bd.real_like_pages(n, Hkv, D, streams, gen)
+        for kind, allow in (("compressed", True), ("raw", False)):
+            ckv, out = bd.store(kv, allow), torch.empty_like(q)
+            name = f"{layout}_{kind}"
+            fns[name] = (lambda ckv=ckv, out=out, t=(indptr, indices, last):
+                         torch_zipkv.paged_decode(q, ckv, *t, sm_scale=1 / math.sqrt(D), out=out))
+            per_token = ckv.nbytes / (n * PAGE)  # stored bytes per token (all layers' pages alike)
+            info[name] = {"distinct_pages": n, "stored_bytes": ckv.nbytes,
+                          "bytes_read": per_token * batch * (shared + own),  # what the requests read, shared or not
+                          "raw_bytes_distinct": n * fmt.raw_page_bytes(PAGE, Hkv, D),
+                          "plan": torch_zipkv.decode_plan(q, ckv, indices)}
+    times = bd.time_round_robin(fns, iters, flush)
+    results = {}
+    for name, ts in times.items():
+        us = statistics.median(ts)
+        results[name] = {"us": us, "TBps_read": info[name]["bytes_read"] / us / 1e6, **info[name]}
+    for layout in ("shared", "unshared"):
+        c, r = f"{layout}_compressed", f"{layout}_raw"
+        results[c]["speedup_vs_raw"] = results[r]["us"] / results[c]["us"]
+        results[c]["paired_speedup_vs_raw"] = bd.paired_speedup(times[r], times[c])
+    row["results"] = results
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_shared_decode: no GPU, nothing to measure")
+        return
+    gen = torch.Generator().manual_seed(0)
+    flush = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    streams = bd.real_streams("cuda")
+    rows = []
+    print(f"{'batch':>5} {'shared':>6} {'own':>5} | {'shared comp':>11} {'shared raw':>11} {'x':>6} | "
+          f"{'unshared comp':>13} {'unshared raw':>12} {'x':>6}")
+    for batch in (32, 128, 192):
+        row = run_case(bd.LLAMA, batch, 4096, 768, args.iters, streams, flush, gen)
+        rows.append(row)
+        r = row["results"]
+        print(f"{batch:5} {4096:6} {768:5} | {r['shared_compressed']['us']:8.1f} µs {r['shared_raw']['us']:8.1f} µs "
+              f"{r['shared_compressed']['speedup_vs_raw']:6.3f} | {r['unshared_compressed']['us']:10.1f} µs "
+              f"{r['unshared_raw']['us']:9.1f} µs {r['unshared_compressed']['speedup_vs_raw']:6.3f}", flush=True)
+        torch.cuda.empty_cache()
+    result = {"benchmark": "bench_shared_decode", "command": "python " + " ".join(sys.argv),
+              "commit": os.environ.get("ZIPKV_COMMIT"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "iters": args.iters,
+              "method": "median of CUDA-event timings, variants round-robin, L2 flushed by reading 256 MB before each "
+                        f"call, then a GPU spin of {bd.PAD_CYCLES} cycles; one layer's paged_decode; speedup_vs_raw = "
+                        "raw time / compressed time on the same page table and values", "cases": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_shared_decode.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out / 'bench_shared_decode.json'}")
+
+
+if __name__ == "__main__":
+    main()
