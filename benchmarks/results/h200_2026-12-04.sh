@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The H200 box, 2026-12-04: the eight calls behind bench_prefill_h200.json, bench_projections_h200.json,
+# The H200 box, 2026-12-04: the nine calls behind bench_prefill_h200.json, bench_projections_h200.json,
 # bench_e2e_h200.json, bench_prefix_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log,
-# test_prefill_kernels.log, test_decode_engine_multi.log.
+# test_prefill_kernels.log, test_decode_engine_multi.log, test_refactor.log, and bench_shared_decode_h200.json.
 # Each call ran one of the scripts below as .box/runN.sh, with carry [".box"] (box.sh, the FlashInfer wheels, and
 # .box/data/real_kv.pt from `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`).
 #   call 1 (c3b3c75): run1.sh   the GPU test files (307 passed; test_compile.py not collected: no expecttest on the box),
@@ -19,6 +19,8 @@
 #                               (cut by its timeout after 5 of 6 cases; superseded by call 8)
 #   call 8 (708c588): COMMIT=708c588 bash run6.sh   bench_prefill --cases speculative: its cases replace the
 #                               speculative rows of bench_prefill_h200.json (the file's note)
+#   call 9 (68acd80): COMMIT=68acd80 bash run7.sh   bench_shared_decode (bench_shared_decode_h200.json), then the
+#                               prefill, decode and error GPU tests (test_refactor.log: 287 passed)
 
 # ---- .box/run1.sh
 # build; the GPU tests of paged_prefill, the engine (compiled, prefix caching), decode and transformers; then
@@ -110,4 +112,19 @@ export PYTHONPATH=/tmp/zipkv-site:$PWD
 echo "built at $SECONDS s"
 timeout ${T3:-400} python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters ${ITERS:-20} 2>&1 \
   | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -16
+echo "all $SECONDS s"
+
+# ---- .box/run7.sh
+# build; paged_prefill's and decode's GPU tests after the Params/search refactor; bench_shared_decode.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 60 python3 benchmarks/bench_shared_decode.py --out "$OUT" --iters 20 2>&1 | tee "$OUT/bench_shared_decode.log" \
+  | grep -v "Warn\|warn" | tail -8
+echo "bench at $SECONDS s"
+timeout 120 python3 -m pytest test/test_paged_prefill_cuda.py test/test_decode_cuda.py test/test_errors.py -q \
+  -p no:cacheprovider -n 8 -rfE 2>&1 | tee "$OUT/tests/refactor.log" | grep -v "Warn\|warn" | tail -12
 echo "all $SECONDS s"
