@@ -24,20 +24,25 @@ namespace zipkv::cuda {
 namespace {
 
 // Up to this many query rows (q_len x group) per request on average the decode kernel serves the batch: one pass over
-// each request's pages per 16 rows, where the tile kernel's CTAs of 64 rows would stream the pages at a quarter of
-// their MMA rows' use or less. (Measured against the tile kernel: docs/performance.md, paged prefill.)
+// each request's pages per 16 rows, where the tile kernel's CTAs of 64 rows stream the pages for a quarter of their
+// rows or less. At q_len 2-8 over 8K (group 4: 8-32 rows) the tile kernel took 4.0-4.4x decode's time and this takes
+// 1.1-2.4x (docs/performance.md, "Prefill attention"); where the two cross above 32 rows is not measured.
 constexpr int64_t kShortRows = 32;
 
 bool short_queries(int64_t nnz_q, int64_t batch, int64_t group) { return nnz_q * group <= kShortRows * batch; }
 
-// The decode kernel's MMA columns for these short queries: 8 when a request's rows fit one N tile on average.
-int short_cols(int64_t nnz_q, int64_t batch, int64_t group) { return nnz_q * group <= 8 * batch ? 8 : 16; }
-
-// The decode kernel's CTAs per kv head before splitting: request b takes ceil(q_len_b x group / cols) slots, at most
-// nnz_q x group / cols + batch in all whatever the q lengths; the plan is made for an even batch.
-int64_t short_slots(int64_t nnz_q, int64_t batch, int64_t group, int cols) { return nnz_q * group / cols + batch; }
-int64_t short_even_slots(int64_t nnz_q, int64_t batch, int64_t group, int cols) {
-  return batch * ((nnz_q * group + batch * cols - 1) / (batch * cols));
+// The decode kernel's MMA columns for short queries and its launch. Request b takes ceil(q_len_b x group / cols)
+// slots per kv head: 8 columns when a request's rows fit one N tile on average; the plan is made for an even batch.
+struct ShortLaunch {
+  int cols;
+  DecodeLaunch plan;
+};
+ShortLaunch plan_short(int64_t nnz_q, int64_t batch, int64_t group, int64_t kv_heads, int64_t nnz_pages,
+                       int64_t page_size, int head_dim, int64_t window_left) {
+  const int cols = nnz_q * group <= 8 * batch ? 8 : 16;
+  const int64_t even_slots = batch * ((nnz_q * group + batch * cols - 1) / (batch * cols));
+  return {cols,
+          plan_decode_launch(even_slots * kv_heads, batch, nnz_pages, page_size, head_dim, cols, window_left, true)};
 }
 
 void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const at::Tensor& data,
@@ -56,7 +61,8 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
 
   const int64_t group = Hq / H;
   if (short_queries(nnz_q, batch, group)) {
-    const int cols = short_cols(nnz_q, batch, group);
+    const ShortLaunch launch = plan_short(nnz_q, batch, group, H, kv_indices.size(0), page_size, D, window_left);
+    const int cols = launch.cols;
     decode::Params p{};
     set_attention_params(p, q, data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, out, lse,
                          window_left, logits_soft_cap);
@@ -66,14 +72,12 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
     p.nnz_q = static_cast<int>(nnz_q);
     p.causal = causal ? 1 : 0;
     p.cols = cols;
-    p.slots = short_slots(nnz_q, batch, group, cols);
+    p.slots = nnz_q * group / cols + batch;  // the most slots any qo_indptr of this nnz_q and batch makes
     p.rows = nnz_q * Hq;
     TORCH_CHECK_VALUE(p.slots * H * decode::kMaxSplits < (int64_t{1} << 31), "zipkv.paged_prefill: q's (nnz_q x ",
                       "group / ", cols, " + batch) x num_kv_heads must be below 2^31 / ", decode::kMaxSplits, ", got (",
                       nnz_q, " x ", group, " / ", cols, " + ", batch, ") x ", H);
-    const DecodeLaunch plan = plan_decode_launch(short_even_slots(nnz_q, batch, group, cols) * H, batch, p.nnz,
-                                                 page_size, D, cols, window_left, true);
-    launch_decode(p, plan, D, true, q);
+    launch_decode(p, launch.plan, D, true, q);
     return;
   }
 
@@ -111,10 +115,8 @@ std::vector<int64_t> prefill_plan_cuda(const at::Tensor& q, const at::Tensor& qo
   if (nnz_q == 0 || q.size(1) == 0 || batch == 0) return {-1, 0, 0, 0, 0};
   if (!short_queries(nnz_q, batch, group)) return {0, 1, prefill::kWarps, 0, prefill::kRows};
   const c10::cuda::CUDAGuard guard(q.device());
-  const int cols = short_cols(nnz_q, batch, group);
-  const DecodeLaunch plan = plan_decode_launch(short_even_slots(nnz_q, batch, group, cols) * H, batch, nnz_pages,
-                                               page_size, q.size(2), cols, window_left, true);
-  return {1, plan.splits, plan.warps, plan.ctas_per_sm, cols};
+  const ShortLaunch launch = plan_short(nnz_q, batch, group, H, nnz_pages, page_size, q.size(2), window_left);
+  return {1, launch.plan.splits, launch.plan.warps, launch.plan.ctas_per_sm, launch.cols};
 }
 
 }  // namespace
