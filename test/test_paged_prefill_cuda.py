@@ -70,20 +70,21 @@ def test_long_queries(gen, head_dim, q_len, kv_len):
 
 def test_prefill_plan_picks_the_kernel(gen):
     """Up to 32 query rows (q_len x group) per request on average: the decode kernel, 8 rows a CTA up to 8 on average,
-    else 16; more: the tile kernel's 64; an empty batch launches nothing. The decode kernel splits a small batch's
+    else 16, in CTAs of 4 warps; more: the tile kernel's 128 rows, in 8 compute warps and a producer; an empty batch
+    launches nothing. The decode kernel splits a small batch's
     long pages as decode_plan does."""
     kv = random_kv(600, 16, 2, 128, gen)
     for kv_lens, q_lens, heads, kernel, rows in [
             ([1000] * 8, [4] * 8, 4, "decode", 8),      # spec. verification, group 2: 8 rows
             ([1000] * 8, [4] * 8, 8, "decode", 16),     # group 4: 16 rows
             ([1000] * 8, [8] * 8, 8, "decode", 16),     # 32 rows: two CTAs of 16
-            ([1000] * 8, [9] * 8, 8, "tiles", 64),      # 36 rows
+            ([1000] * 8, [9] * 8, 8, "tiles", 128),     # 36 rows
             ([1000] * 4, [100, 1, 1, 1], 2, "decode", 16),  # ragged: 103 rows over 4 requests
-            ([1000] * 2, [512, 512], 8, "tiles", 64)]:
+            ([1000] * 2, [512, 512], 8, "tiles", 128)]:
         ckv, qo, table, q = prefill_case(kv, None, kv_lens, q_lens, heads, gen)
         plan = plan_of(q, qo, ckv, table)
         assert (plan["kernel"], plan["rows_per_cta"]) == (kernel, rows), (q_lens, heads)
-        assert plan["num_splits"] >= 1 and plan["warps_per_cta"] == 4
+        assert plan["num_splits"] >= 1 and plan["warps_per_cta"] == (4 if kernel == "decode" else 9)
         assert (plan["ctas_per_sm"] > 0) == (kernel == "decode")
     ckv, qo, table, q = prefill_case(kv, None, [9000], [4], 8, gen)  # one request: its pages split
     assert plan_of(q, qo, ckv, table)["num_splits"] > 1

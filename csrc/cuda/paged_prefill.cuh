@@ -5,23 +5,24 @@
 // loop made its FP8 prefill slower than BF16). Nothing is decompressed to global memory.
 //
 // Work split: one CTA per (tile of a request's query tokens, kv head). The M dimension packs the tile's query tokens
-// times the GQA group's heads (row r = token r / group, head r % group), 16 rows per warp, 4 warps: so each K/V chunk
-// is read from global memory once for every query token and head of the group. That is what a speculative
-// verification (q_len 2-8) needs, being memory-bound; chunked prefill gets 64-row tiles.
-// The grid comes from shapes alone (nnz_q, batch, kv heads): request b has ceil(q_len / T) tiles (T = 64 / group
-// tokens), at most nnz_q / T + batch in all; each CTA finds its (request, tile) by a scan of qo_indptr and CTAs past
-// the last tile exit. So the op never syncs and a CUDA Graph replays it with any q lengths of the same nnz_q.
+// times the GQA group's heads (row r = token r / group, head r % group), 16 rows per warp, 8 compute warps: so each K/V
+// chunk is rebuilt once for 128 query rows. The grid comes from shapes alone (nnz_q, batch, kv heads): request b has
+// ceil(q_len / T) tiles (T = 128 / group tokens), at most nnz_q / T + batch in all; each CTA finds its (request, tile)
+// by a scan of qo_indptr and CTAs past the last tile exit. So the op never syncs and a CUDA Graph replays it with any
+// q lengths of the same nnz_q.
 //
-// Per chunk of kKV key tokens (a whole number of 16-token tiles): each warp starts cp.async copies of its blocks,
-// still compressed, into a staging area; the copies of chunk i + 1 fly while chunk i is multiplied. Where a block
-// lies (page id, meta row, descriptor, offset) is a chain of dependent loads: thread j finds block j of a chunk, all
-// blocks at once, with the page ids loaded a chunk ahead, into a plan in shared memory that the copies read. (Found
-// block by block inside each warp's copy loop, the chains ran one after another: 13 us a chunk on the H200, 12x
-// FlashInfer's time, raw pages as slow as compressed ones.) Then each warp
-// rebuilds its staged blocks into bf16 (block_io.cuh decode_lane: the lane's words in mma A-operand order) and
-// stmatrix puts them in natural [token][dim] order into the K and V tiles. S = Q K^T and O += P V follow
-// FlashAttention-2: Q fragments by ldmatrix, K fragments by ldmatrix, V by ldmatrix.trans, P from S's accumulators in
-// registers, an online softmax in float32 (base 2) per row.
+// A pipeline over chunks of kKV key tokens (a whole number of 16-token tiles), one __syncthreads a chunk. A ninth
+// warp, the producer, does all the waiting on global memory: lane j plans block j of a chunk (page id, meta row,
+// descriptor, offset: a chain of dependent loads) kStages + 1 chunks ahead, the warp starts the chunk's cp.async
+// copies, still compressed, into a ring of kStages staging buffers kStages chunks ahead, and waits for them two chunks
+// ahead. While chunk i is multiplied from one of two BF16 K/V tiles, the compute warps rebuild chunk i + 1 into the
+// other (block_io.cuh decode_lane: the lane's words in mma A-operand order; stmatrix puts them in natural
+// [token][dim] order), so the ALU work of the rebuild and the tensor work of the MMA interleave on each SM. (With
+// the copies, plans and rebuild of each chunk waited on in turn by the same 4 warps, three barriers a chunk, the
+// kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".) S = Q K^T and O += P V follow
+// FlashAttention-2: Q and K fragments by ldmatrix, V by ldmatrix.trans, P from S's accumulators in registers, an
+// online softmax in float32 (base 2) per row; the position masks are computed only for a warp's chunks that cross
+// the causal diagonal, a window edge or kv_len, in 32-bit arithmetic relative to the chunk.
 //
 // Bad device contents cannot raise without a host sync (paged_decode.cuh): a page id out of range, a meta row that
 // is missing, of another geometry or version, an invalid descriptor, a stream past the end of data, or an
@@ -39,9 +40,12 @@
 
 namespace zipkv::cuda::prefill {
 
-constexpr int kWarps = 4;
+constexpr int kComputeWarps = 8;
+constexpr int kProducer = kComputeWarps;   // the warp index of the producer
+constexpr int kWarps = kComputeWarps + 1;  // as prefill_plan reports them
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = 16 * kWarps;  // M rows of a CTA: query tokens x GQA heads
+constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
+constexpr int kDescRing = 4;               // chunks' descriptors in shared memory (>= kStages)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint8_t kDescSkip = 0xFE;  // a tile outside the CTA's keys: zeros, never read
 constexpr uint8_t kDescBad = 0xFF;   // a refused block: zeros, and the request becomes NaN
@@ -70,16 +74,17 @@ struct Cfg {
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
   static constexpr int kBlocks = 2 * kTiles * kSpans;  // blocks per chunk
+  static constexpr int kStages = D == 256 ? 2 : 3;     // staging buffers: chunks in flight ahead of the rebuild
   static constexpr int kStride = D + 8;                // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
   static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
   static constexpr int kQBytes = kRows * kStride * 2;
-  static constexpr int kKVBytes = kKV * kStride * 2;
-  static constexpr int kDescBytes = (kBlocks + 15) / 16 * 16;
-  static constexpr int kPlanBytes = 2 * (kBlocks * 8 + kDescBytes);  // two chunks' plans: offsets, descriptors
-  static constexpr int kSmemBytes = kStageBytes + kQBytes + 2 * kKVBytes + kPlanBytes;
-  static_assert(kBlocks % kWarps == 0, "the warps share a chunk's blocks evenly");
-  static_assert(kBlocks <= kThreads, "a thread finds each block of a chunk");
-  static_assert(kSmemBytes <= 113 * 1024, "two CTAs fit on an SM");
+  static constexpr int kKVBytes = kKV * kStride * 2;  // one K or V tile
+  static constexpr int kDescBytes = 32;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + 4 * kKVBytes + kDescRing * kDescBytes;
+  static_assert(kBlocks <= 32 && kBlocks <= kDescBytes, "a producer lane plans each block of a chunk");
+  static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
+  static_assert(kStages >= 2 && kStages <= kDescRing, "a chunk's descriptors outlive its staging");
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA fits on an SM");
 };
 
 // ---------------------------------------------------------------------------------------------- PTX wrappers
@@ -93,7 +98,11 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most n of this thread's most recent copy groups are still in flight.
+template <int n>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -139,24 +148,28 @@ struct BlockOf {
       : tile(j / (2 * Cfg<D>::kSpans)), is_v((j / Cfg<D>::kSpans) % 2), span(j % Cfg<D>::kSpans) {}
 };
 
-// The page id of block j of the chunk at c0, loaded a chunk before it is used; -1 past the CTA's keys [.., hi).
+// The page id of block j of the chunk at c0, loaded ahead of its plan; -1 past the CTA's keys [.., hi).
 template <int D>
 __device__ __forceinline__ int32_t block_page(const Params& p, int kv_first_page, int64_t c0, int64_t hi, int j) {
   const int64_t tok = c0 + int64_t{BlockOf<D>(j).tile} * kTileTokens;
-  return tok < hi ? __ldg(p.kv_indices + kv_first_page + tok / p.page_size) : -1;
+  return j < Cfg<D>::kBlocks && tok < hi ? __ldg(p.kv_indices + kv_first_page + tok / p.page_size) : -1;
 }
 
-// Plans block j of the chunk at c0 from its page id: its descriptor (kDescSkip past the CTA's keys, kDescBad for a
-// refused page or meta row) and its byte offset in data.
+// Where block j of the chunk at c0 lies: its descriptor (kDescSkip past the CTA's keys, kDescBad for a refused page
+// or meta row) and its byte offset in data.
+struct BlockPlan {
+  int64_t src;
+  uint32_t desc;
+};
+
 template <int D>
-__device__ __forceinline__ void plan_block(const Params& p, int head, int64_t c0, int64_t hi, int j, int32_t page,
-                                           uint8_t* desc_out, int64_t* src_out) {
+__device__ __forceinline__ BlockPlan plan_block(const Params& p, int head, int64_t c0, int64_t hi, int j,
+                                                int32_t page) {
   const BlockOf<D> blk(j);
   const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
-  uint8_t desc = kDescSkip;
-  int64_t src = 0;
-  if (tok < hi) {
-    desc = kDescBad;
+  BlockPlan plan{0, kDescSkip};
+  if (j < Cfg<D>::kBlocks && tok < hi) {
+    plan.desc = kDescBad;
     if (page >= 0 && page < p.num_pages) {
       const int32_t* row = p.meta + ((int64_t{page} * 2 + blk.is_v) * p.H + head) * p.words;
       int64_t start;
@@ -164,28 +177,33 @@ __device__ __forceinline__ void plan_block(const Params& p, int head, int64_t c0
       if (read_stream(row, p.page_size, D, p.data_bytes, &start, &nbytes) == kStreamOk) {
         const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
         const uint8_t* d = row_descriptors(row);
-        desc = d[b];
-        src = start + block_offset(d, b);
+        plan.desc = d[b];
+        plan.src = start + block_offset(d, b);
       }
     }
   }
-  desc_out[j] = desc;
-  src_out[j] = src;
+  return plan;
 }
 
-// Starts the copies of planned block j (still in the format) into its 1 KB of staging: each lane its 16 positions,
-// 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
-__device__ __forceinline__ void issue_block(const Params& p, int j, const uint8_t* descs, const int64_t* srcs,
-                                            uint8_t* stage, int lane) {
-  const uint8_t desc = descs[j];
-  if (desc == kDescSkip || desc == kDescBad) return;
-  const uint8_t* src = p.data + srcs[j];
-  uint8_t* dst = stage + j * kRawBlockBytes;
-  cp_async16(dst + 16 * lane, src + 16 * lane);
-  if (desc == kDescRaw) {
-    cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
-  } else {
-    cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
+// The producer warp starts the copies of a planned chunk (lane j holds block j's plan) into its staging buffer, each
+// block still in the format: each lane its 16 positions, 16 low bytes and 8 code bytes, or a raw block's two 16-byte
+// pieces; and publishes the chunk's descriptors for the rebuild.
+template <int D>
+__device__ __forceinline__ void issue_chunk(const Params& p, BlockPlan plan, uint8_t* stage, uint8_t* descs, int lane) {
+  if (lane < Cfg<D>::kBlocks) descs[lane] = static_cast<uint8_t>(plan.desc);
+#pragma unroll 4
+  for (int j = 0; j < Cfg<D>::kBlocks; ++j) {
+    const uint32_t desc = __shfl_sync(0xFFFFFFFFu, plan.desc, j);
+    const int64_t off = __shfl_sync(0xFFFFFFFFu, plan.src, j);
+    if (desc == kDescSkip || desc == kDescBad) continue;
+    const uint8_t* src = p.data + off;
+    uint8_t* dst = stage + j * kRawBlockBytes;
+    cp_async16(dst + 16 * lane, src + 16 * lane);
+    if (desc == kDescRaw) {
+      cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
+    } else {
+      cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
+    }
   }
 }
 
@@ -230,16 +248,101 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
+// One compute warp's 16 rows: O += softmax(Q K^T) V over one chunk of K/V tiles (ks, vs) at key c0, the online softmax
+// state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for some
+// row of the warp; rel_pos: the rows' positions relative to c0 (clamped), kv_rem: kv_len - c0 (clamped).
 template <int D>
-__global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params p) {
+__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs, const uint16_t* ks,
+                                             const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
+                                             int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
   using C = Cfg<D>;
+  constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
+  const int t = lane % 4;
+
+  // S = Q K^T over the chunk's keys.
+  float s[kSN][4];
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    uint32_t a[4];
+    ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + k * 16 + (lane / 16) * 8);
+#pragma unroll
+    for (int n = 0; n < kSN / 2; ++n) {
+      uint32_t bk[4];
+      ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
+      mma(s[2 * n], a, bk[0], bk[1]);
+      mma(s[2 * n + 1], a, bk[2], bk[3]);
+    }
+  }
+
+  // Logits in base 2, masked where the chunk needs it; online softmax per row (a lane holds 2 rows, the 4 lanes of a
+  // quad share them).
+  float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = p.cap_log2 > 0.f ? p.cap_log2 * tanh_approx(s[n][e] * p.scale_cap) : s[n][e] * p.scale_log2;
+      if (masked) {
+        const int key = n * 8 + 2 * t + (e % 2), pos = rel_pos[e / 2];
+        const bool keep =
+            key < kv_rem && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
+        x = keep ? x : -INFINITY;
+      }
+      s[n][e] = x;
+      mx[e / 2] = fmaxf(mx[e / 2], x);
+    }
+  }
+  float alpha[2], m_use[2];
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
+    // A max of -inf means nothing to weigh yet: weigh against 0 (exp2(-inf - 0) = 0, -inf - -inf would be NaN).
+    m_use[h2] = mx[h2] == -INFINITY ? 0.f : mx[h2];
+    alpha[h2] = m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - m_use[h2]);
+    m_run[h2] = mx[h2];
+    l_run[h2] *= alpha[h2];
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    o[n][0] *= alpha[0], o[n][1] *= alpha[0], o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = exp2_approx(s[n][e] - m_use[e / 2]);
+      l_run[e / 2] += s[n][e];
+    }
+  }
+
+  // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
+#pragma unroll
+  for (int kk = 0; kk < C::kKV / 16; ++kk) {
+    const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                           pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                           pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + n * 16 + (lane / 16) * 8);
+      mma(o[2 * n], a, bv[0], bv[1]);
+      mma(o[2 * n + 1], a, bv[2], bv[3]);
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
+  using C = Cfg<D>;
+  constexpr int kS = C::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* stage = smem;
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kStageBytes);
-  uint16_t* ks = qs + kRows * C::kStride;
-  uint16_t* vs = ks + C::kKV * C::kStride;
-  int64_t* srcs = reinterpret_cast<int64_t*>(vs + C::kKV * C::kStride);  // [2][kBlocks]: a plan per chunk parity
-  uint8_t* descs = reinterpret_cast<uint8_t*>(srcs + 2 * C::kBlocks);    // [2][kDescBytes]
+  uint8_t* stages = smem;                                                               // [kS][kStageBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + kS * C::kStageBytes);               // [kRows][kStride]
+  uint16_t* kv_tiles = qs + kRows * C::kStride;                                         // [2][K, V][kKV][kStride]
+  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(kv_tiles + 4 * C::kKV * C::kStride);  // [kDescRing][kDescBytes]
   __shared__ int s_request, s_tile, s_bad;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -288,123 +391,87 @@ __global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params
   const int64_t lo = p.window_left >= 0 ? max(int64_t{0}, pos0 - p.window_left) : 0;
   const int64_t c_first = lo / kTileTokens * kTileTokens;
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
+  const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
+  const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * C::kKV * C::kStride; };
 
-  // The warp's rows: positions of its two rows per lane (g and g + 8), and whether any of its rows is real.
+  if (warp == kProducer) {
+    // ---- The producer: plans kS + 1 chunks ahead, copies kS ahead, waits for them two ahead of their multiply.
+    // Every step commits one copy group (empty past the last chunk), so "at most kS - 2 in flight" always means
+    // "the chunk the compute warps rebuild next has landed".
+    BlockPlan plan{0, kDescSkip};
+    for (int ci = 0; ci < kS; ++ci) {
+      if (ci < chunks) {
+        plan = plan_block<D>(p, head, chunk_key(ci), hi, lane, block_page<D>(p, kp0, chunk_key(ci), hi, lane));
+        issue_chunk<D>(p, plan, stages + ci * C::kStageBytes, desc_ring + ci % kDescRing * C::kDescBytes, lane);
+      }
+      cp_async_commit();
+    }
+    int32_t page_next = kS < chunks ? block_page<D>(p, kp0, chunk_key(kS), hi, lane) : -1;
+    if (kS < chunks) plan = plan_block<D>(p, head, chunk_key(kS), hi, lane, page_next);
+    page_next = kS + 1 < chunks ? block_page<D>(p, kp0, chunk_key(kS + 1), hi, lane) : -1;
+    cp_async_wait<kS - 2>();  // chunks 0 and 1
+    __syncthreads();          // the rebuild of chunk 0
+    __syncthreads();          // chunk 0 rebuilt: its staging buffer is free
+    for (int ci = 0; ci < chunks; ++ci) {
+      const int next = ci + kS;  // the chunk to copy now, into the buffer chunk ci left
+      if (next < chunks) {
+        issue_chunk<D>(p, plan, stages + ci % kS * C::kStageBytes, desc_ring + next % kDescRing * C::kDescBytes, lane);
+      }
+      cp_async_commit();
+      if (next + 1 < chunks) plan = plan_block<D>(p, head, chunk_key(next + 1), hi, lane, page_next);
+      if (next + 2 < chunks) page_next = block_page<D>(p, kp0, chunk_key(next + 2), hi, lane);
+      cp_async_wait<kS - 2>();  // chunk ci + 2, which the compute warps rebuild in the next step
+      __syncthreads();
+    }
+    __syncthreads();  // the compute warps' refusal flags
+    return;
+  }
+
+  // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
+  // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
+  // whether any of its rows is real.
   const bool warp_active = warp * 16 < rows;
   int64_t pos_row[2];
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) pos_row[h2] = pos0 + (warp * 16 + g + 8 * h2) / group;
+  const int64_t wpos_lo = pos0 + warp * 16 / group, wpos_hi = pos0 + (warp * 16 + 15) / group;
 
-  constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
-  constexpr int kON = D / 8;       // O n-tiles of 8 dims
-  float o[kON][4];
+  float o[D / 8][4];
 #pragma unroll
-  for (int n = 0; n < kON; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   bool refused = false;
-
-  // Chunk ci's plan sits in buffer ci % 2: planned (thread j, block j) while chunk ci - 1 is rebuilt, from page ids
-  // loaded while chunk ci - 2 was multiplied, so each chunk waits on at most one meta load.
-  const int jt = threadIdx.x;
-  const bool planner = jt < C::kBlocks;
-  int32_t page_next = -1;  // thread jt's page id for the next chunk to plan
-  if (chunks > 0) {
-    if (planner) {
-      plan_block<D>(p, head, c_first, hi, jt, block_page<D>(p, kp0, c_first, hi, jt), descs, srcs);
-      if (chunks > 1) page_next = block_page<D>(p, kp0, c_first + C::kKV, hi, jt);
+  constexpr int kPerWarp = C::kBlocks / kComputeWarps;
+  const auto rebuild_chunk = [&](int ci) {
+    const uint8_t* stage = stages + ci % kS * C::kStageBytes;
+    const uint8_t* descs = desc_ring + ci % kDescRing * C::kDescBytes;
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int j = warp * kPerWarp + i;
+      refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
     }
-    __syncthreads();
-    for (int j = warp; j < C::kBlocks; j += kWarps) issue_block(p, j, descs, srcs, stage, lane);
-    cp_async_commit();
-  }
+  };
+
+  __syncthreads();  // Q staged, chunks 0 and 1 landed
+  if (chunks > 0) rebuild_chunk(0);
+  __syncthreads();
   for (int ci = 0; ci < chunks; ++ci) {
-    const int64_t c0 = c_first + int64_t{ci} * C::kKV;
-    const uint8_t* descs_now = descs + (ci % 2) * C::kDescBytes;
-    uint8_t* descs_next = descs + ((ci + 1) % 2) * C::kDescBytes;
-    int64_t* srcs_next = srcs + ((ci + 1) % 2) * C::kBlocks;
-    cp_async_wait0();
-    __syncthreads();  // chunk ci staged (all warps' copies), and the K/V tiles free (chunk ci - 1 multiplied)
-    for (int j = warp; j < C::kBlocks; j += kWarps)
-      refused |= rebuild_block<D>(j, c0, kv_len, stage, descs_now, ks, vs, lane);
-    if (planner && ci + 1 < chunks) plan_block<D>(p, head, c0 + C::kKV, hi, jt, page_next, descs_next, srcs_next);
-    __syncthreads();  // K/V tiles of chunk ci complete; the staging area free; chunk ci + 1 planned
-    if (ci + 1 < chunks) {
-      for (int j = warp; j < C::kBlocks; j += kWarps) issue_block(p, j, descs_next, srcs_next, stage, lane);
-      cp_async_commit();
-      if (planner && ci + 2 < chunks) page_next = block_page<D>(p, kp0, c0 + 2 * C::kKV, hi, jt);
+    if (ci + 1 < chunks) rebuild_chunk(ci + 1);
+    const int64_t c0 = chunk_key(ci);
+    // Which rows of the warp this chunk reaches: all keys masked for every row (causal: past the last row; window:
+    // before the first row's window) skip the chunk; masks only where some key of some row falls outside.
+    const bool none = (p.causal && c0 > wpos_hi) || (p.window_left >= 0 && c0 + C::kKV - 1 < wpos_lo - p.window_left);
+    if (warp_active && !none) {
+      const bool masked = c0 + C::kKV > kv_len || (p.causal && c0 + C::kKV - 1 > wpos_lo) ||
+                          (p.window_left >= 0 && c0 < wpos_hi - p.window_left);
+      constexpr int64_t kFar = int64_t{1} << 30;  // past any key of a chunk, and any window
+      int rel_pos[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
+      const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
+      attend_chunk<D>(p, qs, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run, l_run);
     }
-    if (!warp_active) continue;
-
-    // S = Q K^T over the chunk's keys.
-    float s[kSN][4];
-#pragma unroll
-    for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      uint32_t a[4];
-      ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + k * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int n = 0; n < kSN / 2; ++n) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
-        mma(s[2 * n], a, bk[0], bk[1]);
-        mma(s[2 * n + 1], a, bk[2], bk[3]);
-      }
-    }
-
-    // Logits in base 2, masked; online softmax per row (a lane holds 2 rows, the 4 lanes of a quad share them).
-    float mx[2] = {m_run[0], m_run[1]};
-#pragma unroll
-    for (int n = 0; n < kSN; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = c0 + n * 8 + 2 * t + (e % 2), pos = pos_row[e / 2];
-        float x = p.cap_log2 > 0.f ? p.cap_log2 * tanh_approx(s[n][e] * p.scale_cap) : s[n][e] * p.scale_log2;
-        const bool keep =
-            key < kv_len && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
-        x = keep ? x : -INFINITY;
-        s[n][e] = x;
-        mx[e / 2] = fmaxf(mx[e / 2], x);
-      }
-    }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
-      mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
-      // A max of -inf means nothing to weigh yet: weigh against 0 (exp2(-inf - 0) = 0, -inf - -inf would be NaN).
-      m_use[h2] = mx[h2] == -INFINITY ? 0.f : mx[h2];
-      alpha[h2] = m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - m_use[h2]);
-      m_run[h2] = mx[h2];
-      l_run[h2] *= alpha[h2];
-    }
-#pragma unroll
-    for (int n = 0; n < kON; ++n) {
-      o[n][0] *= alpha[0], o[n][1] *= alpha[0], o[n][2] *= alpha[1], o[n][3] *= alpha[1];
-    }
-#pragma unroll
-    for (int n = 0; n < kSN; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2_approx(s[n][e] - m_use[e / 2]);
-        l_run[e / 2] += s[n][e];
-      }
-    }
-
-    // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
-#pragma unroll
-    for (int kk = 0; kk < C::kKV / 16; ++kk) {
-      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int n = 0; n < D / 16; ++n) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + n * 16 + (lane / 16) * 8);
-        mma(o[2 * n], a, bv[0], bv[1]);
-        mma(o[2 * n + 1], a, bv[2], bv[3]);
-      }
-    }
+    __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, chunk ci + 2 landed
   }
   if (refused) atomicOr(&s_bad, 1);
   __syncthreads();
@@ -425,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 2) paged_prefill_kernel(const Params
     const float inv = l == 0.f ? 0.f : 1.f / l;
     uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + qrow * D);
 #pragma unroll
-    for (int n = 0; n < kON; ++n) {
+    for (int n = 0; n < D / 8; ++n) {
       const float x = poisoned ? nan : o[n][2 * h2] * inv, y = poisoned ? nan : o[n][2 * h2 + 1] * inv;
       dst[n * 4 + t] = pack_bf16(x, y);
     }
