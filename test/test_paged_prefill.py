@@ -179,6 +179,21 @@ def test_window_never_reads_pages_before_it(gen):
         ops.paged_prefill(q, qo, ckv.data, freed, indptr, indices, last, 16, window_left=40)
 
 
+@pytest.mark.parametrize("window_left", [-1, 8])
+def test_not_causal_takes_fewer_keys_than_queries(gen, window_left):
+    """Not causal, a request's pages need not hold its queries (a cascade's shared-prefix pass: every request's rows
+    over one prefix): more query tokens than keys, and no keys at all (zeros, lse -inf); causal refuses both."""
+    kv = random_kv(12, 16, 2, 64, gen)
+    raw_pages = torch.rand(12, generator=gen) < 0.4
+    kv_lens, q_lens = [20, 0, 5, 64], [37, 3, 5, 70]
+    out, lse, ref, ref_lse = run_both(kv, raw_pages, kv_lens, q_lens, 4, gen, causal=False, window_left=window_left)
+    check(out, lse, ref, ref_lse)
+    assert (out[37:40] == 0).all() and lse[37:40].isneginf().all()
+    ckv, qo, table, q = prefill_case(kv, raw_pages, kv_lens, q_lens, 4, gen)
+    with pytest.raises(ValueError, match="request 0 has 37 query tokens but 20 tokens in its pages"):
+        torch_zipkv.paged_prefill(q, qo, ckv, *table, window_left=window_left)
+
+
 @pytest.fixture
 def setup(gen):
     kv = random_kv(6, 16, 2, 64, gen)

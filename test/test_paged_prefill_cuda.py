@@ -68,6 +68,18 @@ def test_long_queries(gen, head_dim, q_len, kv_len):
     check(out, lse, cpu, ref, ref_lse)
 
 
+@pytest.mark.parametrize("kernel", ["tiles", "decode"])
+def test_not_causal_takes_fewer_keys_than_queries(gen, kernel):
+    """Not causal, more query tokens than keys, and no keys at all (zeros, lse -inf), on both kernels."""
+    kv = random_kv(40, 16, 2, 128, gen)
+    kv_lens, q_lens = ([20, 0, 5, 300], [37, 3, 5, 70]) if kernel == "tiles" else ([20, 0, 5, 300], [9, 3, 5, 7])
+    out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(40, generator=gen) < 0.4, kv_lens, q_lens, 8, gen,
+                                              kernel=kernel, causal=False)
+    check(out, lse, cpu, ref, ref_lse)
+    rows = slice(q_lens[0], q_lens[0] + q_lens[1])
+    assert (out[rows] == 0).all() and lse[rows].isneginf().all()
+
+
 def test_prefill_plan_picks_the_kernel(gen):
     """Up to 32 query rows (q_len x group) per request on average: the decode kernel, 8 rows a CTA up to 8 on average,
     else 16, in CTAs of 4 warps; more: the tile kernel's 128 rows, in 8 compute warps and a producer; an empty batch

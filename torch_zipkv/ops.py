@@ -224,9 +224,11 @@ def paged_prefill(
 
     FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` conventions: request b's query tokens are
     ``q[qo_indptr[b]:qo_indptr[b + 1]]`` (q bf16 [nnz_q, Hq, D], qo_indptr int32 [batch + 1], from 0 to nnz_q), its
-    keys and values :func:`paged_decode`'s page table. The pages hold the query's own tokens (appended first), so
-    q_len <= kv_len and query token i sits at position ``kv_len - q_len + i``. ``causal`` lets it attend to keys at
-    positions up to its own; ``window_left`` >= 0 to keys at positions >= its own minus ``window_left`` only.
+    keys and values :func:`paged_decode`'s page table. Query token i sits at position ``kv_len - q_len + i``.
+    ``causal`` lets it attend to keys at positions up to its own, so the pages must hold the query's own tokens
+    (appended first: q_len <= kv_len); not causal, any kv_len goes, 0 included (the rows of a request with no keys get
+    zeros and lse -inf: a cascade's shared-prefix pass). ``window_left`` >= 0 keeps keys at positions >= its own minus
+    ``window_left`` only.
     ``sm_scale``, ``logits_soft_cap`` and ``lse`` (fp32 [nnz_q, Hq]) as in :func:`paged_decode`.
 
     On CUDA, short queries (speculative verification) run on the decode kernel, reading each page once for a

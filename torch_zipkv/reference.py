@@ -149,7 +149,7 @@ def prefill_attention(
         pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long().cpu()
         if q1 == q0:
             continue
-        length = (pages.numel() - 1) * page_size + int(kv_last_page_len[b])
+        length = (pages.numel() - 1) * page_size + int(kv_last_page_len[b]) if pages.numel() else 0
         tokens = kv[pages].double().cpu().permute(1, 0, 2, 3, 4).reshape(2, -1, heads, dim)[:, :length]
         k = tokens[0].repeat_interleave(hq // heads, dim=1)  # [L, Hq, D]
         v = tokens[1].repeat_interleave(hq // heads, dim=1)

@@ -52,8 +52,10 @@ void paged_prefill_cpu(const at::Tensor& q, const at::Tensor& qo_indptr, const a
     TORCH_CHECK_VALUE(qo[b + 1] >= qo[b], "zipkv.paged_prefill: qo_indptr must be non-decreasing, but qo_indptr[",
                       b + 1, "] = ", qo[b + 1], " < qo_indptr[", b, "] = ", qo[b]);
     const int64_t q_len = qo[b + 1] - qo[b], kv_len = request_tokens(indptr, last, b, P);
-    TORCH_CHECK_VALUE(q_len <= kv_len, "zipkv.paged_prefill: request ", b, " has ", q_len, " query tokens but ", kv_len,
-                      " tokens in its pages: the pages must hold the query's own tokens (q_len <= kv_len)");
+    TORCH_CHECK_VALUE(!causal || q_len <= kv_len, "zipkv.paged_prefill: request ", b, " has ", q_len,
+                      " query tokens but ", kv_len,
+                      " tokens in its pages: a causal query's pages must hold its own "
+                      "tokens (q_len <= kv_len)");
     for (int64_t q0 = 0; q0 < q_len; q0 += kQueryBlock)
       for (int h = 0; h < H; ++h) items.push_back({b, h, q0, std::min<int64_t>(q_len, q0 + kQueryBlock)});
   }

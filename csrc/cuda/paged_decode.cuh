@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     q_begin = __ldg(p.qo_indptr + b);
     q_len = __ldg(p.qo_indptr + b + 1) - q_begin;
     bad_request |= __ldg(p.qo_indptr) != 0 || __ldg(p.qo_indptr + p.batch) != p.nnz_q || q_begin < 0 ||
-                   q_begin + q_len > p.nnz_q || __ldg(p.kv_indptr) != 0 || q_len > seq_len;
+                   q_begin + q_len > p.nnz_q || __ldg(p.kv_indptr) != 0 || (p.causal && q_len > seq_len);
     if (bad_request) seq_len = 0;
     row0 = int64_t{slot} * p.cols;
     n_cols = static_cast<int>(min(int64_t{p.cols}, min(max(q_len, int64_t{0}), int64_t{p.nnz_q}) * p.group - row0));

@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int64_t q_len = int64_t{q_end} - q_begin;
   const bool bad_request = __ldg(qo) != 0 || __ldg(qo + p.batch) != p.nnz_q || q_begin < 0 || q_end > p.nnz_q ||
                            __ldg(p.kv_indptr) != 0 || kp0 < 0 || kp1 < kp0 || kp1 > p.nnz_kv ||
-                           (kp1 > kp0 && (last < 1 || last > p.page_size)) || q_len > kv_len;
+                           (kp1 > kp0 && (last < 1 || last > p.page_size)) || (p.causal && q_len > kv_len);
   const int t0 = s_tile * T;                                     // the tile's first query token, request-relative
   const int nt = static_cast<int>(min(int64_t{T}, q_len - t0));  // its query tokens
   const int rows = nt * group;
