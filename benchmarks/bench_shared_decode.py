@@ -10,7 +10,9 @@ L2 while the batch reads it, so decode there may no longer be bound by HBM, wher
 buys. This measures the decode kernel alone on that page table. Llama-3.1-8B attention shape, page 16, real-like
 pages (every 16 x 64 stream from SmolLM2's real cache: $ZIPKV_REAL_KV or the model package), private pages in random
 order; L2 flushed before every timed call, variants round-robin, medians (bench_decode.py's time_round_robin).
-Writes bench_shared_decode.json into --out.
+Also the engine's decode with prefix caching on the shared layout (``shared_*_once``: torch_zipkv.shared_prefix, the
+shared pages attended once for every row, then each row's own pages, merged). Writes bench_shared_decode.json into
+--out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pathlib
 import statistics
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -30,20 +33,38 @@ import bench_decode as bd  # noqa: E402  (timing, real-like pages, storage)
 
 import torch_zipkv  # noqa: E402
 from torch_zipkv import format as fmt  # noqa: E402
+from torch_zipkv.shared_prefix import SharedTables, attend_shared, shared_prefix_tables  # noqa: E402
 
 PAGE = bd.PAGE
 
 
 def page_table(batch: int, shared: int, own: int, gen, device="cuda"):
     """Every request reads the same `shared` tokens' pages first (page ids 0 ..), then `own` tokens of its own pages
-    (random ids after the shared ones): indptr, indices, last_page_len, and the number of distinct pages."""
+    (random ids after the shared ones): indptr, indices, last_page_len, the number of distinct pages, and each row's
+    page ids (host)."""
     s, o = shared // PAGE, own // PAGE
     private = (torch.randperm(batch * o, generator=gen) + s).to(torch.int32).view(batch, o)
     prefix = torch.arange(s, dtype=torch.int32).expand(batch, s)
-    indices = torch.cat([prefix, private], 1).flatten().to(device)
+    rows = torch.cat([prefix, private], 1)
     indptr = torch.arange(0, batch * (s + o) + 1, s + o, dtype=torch.int32, device=device)
     last = torch.full((batch,), PAGE, dtype=torch.int32, device=device)
-    return indptr, indices, last, s + batch * o
+    return indptr, rows.flatten().to(device), last, s + batch * o, [r.numpy() for r in rows]
+
+
+def shared_pass(pages: list, shape: dict, device="cuda"):
+    """The engine's shared-prefix pass for rows of these page ids (torch_zipkv.shared_prefix, as prepare_step lays
+    it out): its SharedTables and the rows' own page tables."""
+    full = np.array([len(p) for p in pages])
+    t = shared_prefix_tables(pages, full, len(pages), shape["Hq"] // shape["Hkv"], shape["Hkv"], PAGE)
+    skip = t.pop("skip")
+    own = [p[s:] for p, s in zip(pages, skip)]
+    to = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in t.items() if isinstance(v, np.ndarray)}
+    tables = SharedTables(to["perm"], to["inv_perm"], to["qo_indptr"], to["kv_indptr"], to["kv_indices"],
+                          to["kv_last_page_len"], parts=t["parts"], rows=len(pages), sharing_rows=t["sharing_rows"],
+                          shared_pages=t["shared_pages"])
+    indptr = torch.tensor(np.r_[0, np.cumsum([len(o) for o in own])], dtype=torch.int32, device=device)
+    indices = torch.from_numpy(np.concatenate(own)).to(device)
+    return tables, (indptr, indices, torch.full((len(pages),), PAGE, dtype=torch.int32, device=device))
 
 
 def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams, flush, gen) -> dict:
@@ -51,28 +72,43 @@ def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams
     q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).cuda()
     row = {"shape": shape["name"], "batch": batch, "shared_tokens": shared, "own_tokens": own}
     fns, info = {}, {}
+    scale = 1 / math.sqrt(D)
+    outs = {}
     for layout, sh in (("shared", shared), ("unshared", 0)):
-        indptr, indices, last, n = page_table(batch, sh, own + shared - sh, gen)
+        indptr, indices, last, n, pages = page_table(batch, sh, own + shared - sh, gen)
         kv = bd.real_like_pages(n, Hkv, D, streams, gen)
         for kind, allow in (("compressed", True), ("raw", False)):
             ckv, out = bd.store(kv, allow), torch.empty_like(q)
             name = f"{layout}_{kind}"
             fns[name] = (lambda ckv=ckv, out=out, t=(indptr, indices, last):
-                         torch_zipkv.paged_decode(q, ckv, *t, sm_scale=1 / math.sqrt(D), out=out))
+                         torch_zipkv.paged_decode(q, ckv, *t, sm_scale=scale, out=out))
             per_token = ckv.nbytes / (n * PAGE)  # stored bytes per token (all layers' pages alike)
             info[name] = {"distinct_pages": n, "stored_bytes": ckv.nbytes,
                           "bytes_read": per_token * batch * (shared + own),  # what the requests read, shared or not
                           "raw_bytes_distinct": n * fmt.raw_page_bytes(PAGE, Hkv, D),
                           "plan": torch_zipkv.decode_plan(q, ckv, indices)}
+            outs[name] = fns[name]().clone()
+            if layout == "shared":  # the engine's decode with prefix caching: the shared pages attended once
+                tables, own_table = shared_pass(pages, shape)
+                cname = f"{name}_once"
+                fns[cname] = (lambda ckv=ckv, tables=tables, own_table=own_table: attend_shared(
+                    q, ckv.data, ckv.meta, PAGE, tables, *own_table, sm_scale=scale))
+                info[cname] = {**info[name], "parts": tables.parts, "plan": None}
+                outs[cname] = fns[cname]()
+                info[cname]["rel_diff_vs_one_call"] = float(((outs[cname].double() - outs[name].double()).norm()
+                                                             / outs[name].double().norm()))
     times = bd.time_round_robin(fns, iters, flush)
     results = {}
     for name, ts in times.items():
         us = statistics.median(ts)
         results[name] = {"us": us, "TBps_read": info[name]["bytes_read"] / us / 1e6, **info[name]}
-    for layout in ("shared", "unshared"):
-        c, r = f"{layout}_compressed", f"{layout}_raw"
+    for c, r in (("shared_compressed", "shared_raw"), ("unshared_compressed", "unshared_raw"),
+                 ("shared_compressed_once", "shared_raw_once")):
         results[c]["speedup_vs_raw"] = results[r]["us"] / results[c]["us"]
         results[c]["paired_speedup_vs_raw"] = bd.paired_speedup(times[r], times[c])
+    for kind in ("compressed", "raw"):  # the pass against every row reading the shared pages itself
+        results[f"shared_{kind}_once"]["speedup_vs_every_row"] = (results[f"shared_{kind}"]["us"]
+                                                                   / results[f"shared_{kind}_once"]["us"])
     row["results"] = results
     return row
 
@@ -90,13 +126,15 @@ def main() -> None:
     streams = bd.real_streams("cuda")
     rows = []
     print(f"{'batch':>5} {'shared':>6} {'own':>5} | {'shared comp':>11} {'shared raw':>11} {'x':>6} | "
-          f"{'unshared comp':>13} {'unshared raw':>12} {'x':>6}")
+          f"{'once comp':>11} {'once raw':>11} {'x':>6} | {'unshared comp':>13} {'unshared raw':>12} {'x':>6}")
     for batch in (32, 128, 192):
         row = run_case(bd.LLAMA, batch, 4096, 768, args.iters, streams, flush, gen)
         rows.append(row)
         r = row["results"]
         print(f"{batch:5} {4096:6} {768:5} | {r['shared_compressed']['us']:8.1f} µs {r['shared_raw']['us']:8.1f} µs "
-              f"{r['shared_compressed']['speedup_vs_raw']:6.3f} | {r['unshared_compressed']['us']:10.1f} µs "
+              f"{r['shared_compressed']['speedup_vs_raw']:6.3f} | {r['shared_compressed_once']['us']:8.1f} µs "
+              f"{r['shared_raw_once']['us']:8.1f} µs {r['shared_compressed_once']['speedup_vs_raw']:6.3f} | "
+              f"{r['unshared_compressed']['us']:10.1f} µs "
               f"{r['unshared_raw']['us']:9.1f} µs {r['unshared_compressed']['speedup_vs_raw']:6.3f}", flush=True)
         torch.cuda.empty_cache()
     result = {"benchmark": "bench_shared_decode", "command": "python " + " ".join(sys.argv),

@@ -53,8 +53,8 @@ def check_compiled_engine(arch: str, device: str) -> None:
         assert len(tokens) == n
         ref.check(prompt, tokens, ulps=COMPILED_ULPS)
     used = eng.runner.graphs.buffers
-    assert len({b for b, _ in used}) >= 3 and len({w for _, w in used}) >= 2, sorted(used)  # buckets and widths
-    assert min(b for b, _ in used) >= 2  # dynamo specializes size 1: no batch-1 bucket
+    assert len({b for b, _, _ in used}) >= 3 and len({w for _, w, _ in used}) >= 2, sorted(used)  # buckets, widths
+    assert min(b for b, _, _ in used) >= 2  # dynamo specializes size 1: no batch-1 bucket
     assert eng.stats()["decode_setup_s"] > 0
     assert eng.kv.seq_ids == [eng.runner.pad_seq]
 

@@ -16,6 +16,7 @@ from torch_zipkv.engine import Engine, SamplingParams  # noqa: E402
 
 from conftest import bits  # noqa: E402
 from test_engine import KV_BYTES, model_and_reference, prompts_of, run_all  # noqa: E402
+from test_engine_compile import COMPILED_ULPS  # noqa: E402
 
 
 @pytest.fixture
@@ -54,6 +55,28 @@ def test_tokens_equal_caching_off_and_generate(arch, case):
     assert finals[True] == finals[False]
     for prompt, tokens in finals[True].items():
         ref.check(list(prompt), tokens)
+
+
+@pytest.mark.parametrize("chunk, compile", [(16, False), (512, False), (16, True)])
+def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile):
+    """Requests over a 100-token prompt prefix (6 whole pages) that all hold it at once: decode steps attend to its
+    pages once for every sharing request (stats: shared_prefix_steps), and the greedy tokens are transformers' own up
+    to bf16 ties; with caching off no step does."""
+    model, ref = llama
+    rng = random.Random(7)
+    prefix = prompts_of(rng, [100])[0]
+    prompts = [prefix + p for p in prompts_of(rng, [rng.randint(1, 30) for _ in range(5)])]
+    # The first request prefills the prefix (7 steps of 16 tokens at most) and decodes on while the others arrive,
+    # find its pages and decode beside it.
+    arrivals = [(0 if i == 0 else 8, p, SamplingParams(max_new_tokens=30 if i == 0 else 12))
+                for i, p in enumerate(prompts)]
+    for caching in (True, False):
+        eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=chunk, prefix_caching=caching, compile=compile)
+        outs = run_all(eng, arrivals)
+        stats = eng.stats()
+        assert (stats["shared_prefix_steps"] > 0) == caching, stats
+        for o in outs.values():
+            ref.check(o[-1].prompt_token_ids, o[-1].token_ids, ulps=COMPILED_ULPS if compile else 1)
 
 
 def test_cached_pages_hold_the_bits_of_a_fresh_prefill(llama):

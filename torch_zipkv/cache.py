@@ -52,6 +52,7 @@ from .compression_rounds import CompressionRounds
 from .distributed import all_min, check_process_group
 from .page_pool import PagePool
 from .page_store import PageStore
+from .shared_prefix import SharedTables, attend_shared, shared_prefix_tables
 from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader
 
@@ -62,6 +63,9 @@ _CHUNK_BYTES = 4 << 20  # the largest default arena chunk
 # used chunks (a slot chunk and a packed one), so with 4 MiB chunks a small budget over many layers would spend most
 # of itself on that slack (256 MiB over 32 layers: 64 chunks, two a layer).
 _CHUNKS_PER_LAYER = 32
+
+
+_SHARED_ARRAYS = ("perm", "inv_perm", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")  # SharedTables'
 
 
 class CacheFullError(RuntimeError):
@@ -423,7 +427,7 @@ class CompressedPagedKVCache:
                                  sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
                                  logits_soft_cap=logits_soft_cap)
 
-    def prepare_step(self, seq_ids) -> DecodeStep:
+    def prepare_step(self, seq_ids, *, shared_prefix: int = 0, rows: int | None = None) -> DecodeStep:
         """Prepare one decode step of ``seq_ids`` (one new token each) for every layer at once: new pages open in all
         layers together (one device copy), and the returned :class:`DecodeStep` holds the tensors every layer's
         append and attention use (page ids are shared by all layers, so one page table serves them all).
@@ -438,8 +442,16 @@ class CompressedPagedKVCache:
         A step serves until the cache's sequences or pages change: :meth:`add_sequence`, :meth:`free_sequence`,
         :meth:`compress_full_pages` and :meth:`compact` make every step prepared before them stale, and
         :meth:`step_append` and :meth:`step_decode` refuse a stale step (RuntimeError). So call those between steps,
-        before this."""
+        before this.
+
+        ``shared_prefix``: the model's query heads per kv head, to attend to the leading pages that several of these
+        sequences share (a cached prompt prefix) once for all of them (:mod:`torch_zipkv.shared_prefix`); 0, or a
+        cache with sliding-window layers, or no such pages: every row attends to all its pages. ``rows``: the row
+        count a CUDA Graph pads the step to (``>= len(seq_ids)``), which that pass is laid out for."""
         batch = self._layouts.batch(seq_ids)
+        check_int("shared_prefix", shared_prefix, 0)
+        rows = len(batch.seqs) if rows is None else rows
+        check_int("rows", rows, len(batch.seqs))
         lens = self._pool.len[batch.rows]  # [B, layers]
         start = lens[:, 0]
         if (lens != start[:, None]).any():
@@ -447,14 +459,38 @@ class CompressedPagedKVCache:
                                "per layer otherwise")
         layout = self._layouts.layout(start, None)  # used once: not remembered
         writes = self._open_pages(slice(None), batch, layout)
+        tables = self._layouts.step_tables(batch, start)
+        shared = None
+        if shared_prefix and all(w is None for w in self.sliding_window):
+            shared = self._shared_pass(batch, start, tables, shared_prefix, rows)
+        extra = [] if shared is None else [shared[k] for k in _SHARED_ARRAYS]
         # The step's one host-to-device copy, the step's tensors first (see TokenLayouts.step_tables).
-        page_ids, slots, indptr, last, indices, *writes = self._upload(*self._layouts.step_tables(batch, start),
-                                                                       *writes)
-        self._store.write_open_rows(*writes)
+        page_ids, slots, indptr, last, indices, *rest = self._upload(*tables, *extra, *writes)
+        self._store.write_open_rows(*rest[len(extra):])
         self._pool.len[batch.rows] = layout.end[:, None]
         if layout.filled:
             self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
-        return DecodeStep(page_ids, slots, indptr, indices, last, self._generation)
+        if shared is not None:
+            shared = SharedTables(*rest[: len(extra)], parts=shared["parts"], rows=rows,
+                                  sharing_rows=shared["sharing_rows"], shared_pages=shared["shared_pages"])
+        return DecodeStep(page_ids, slots, indptr, indices, last, self._generation, shared)
+
+    def _shared_pass(self, batch: Batch, start: np.ndarray, tables: list, group: int, rows: int) -> dict | None:
+        """The shared-prefix pass of a step (:func:`~torch_zipkv.shared_prefix.shared_prefix_tables`), or None; if one,
+        ``tables``' page table (kv_indptr, kv_indices) becomes each row's pages after the prefix, in place."""
+        indptr, indices = tables[2], tables[4]
+        shared = shared_prefix_tables([s.pages for s in batch.seqs], start // self.page_size, rows, group,
+                                      self.num_kv_heads, self.page_size)
+        if shared is None:
+            return None
+        skip, nnz = shared.pop("skip"), int(indptr[-1])
+        row = np.repeat(np.arange(len(skip)), np.diff(indptr))
+        own = indices[:nnz][np.arange(nnz) - indptr[row] >= skip[row]]
+        tables[2] = np.concatenate([[0], np.cumsum(np.diff(indptr) - skip)]).astype(np.int32)
+        tables[4] = np.pad(own, (0, len(indices) - len(own)))
+        n = len(shared["kv_indices"])
+        shared["kv_indices"] = np.pad(shared["kv_indices"], (0, max(16, 1 << (n - 1).bit_length()) - n))
+        return shared
 
     def check_step(self, step, fn: str = "check_step") -> None:
         """TypeError unless ``step`` is a DecodeStep; ValueError if another cache prepared it (its page ids and slots
@@ -472,16 +508,18 @@ class CompressedPagedKVCache:
                                "now); do those between steps and prepare the step after them")
 
     def static_step(self, page_ids: torch.Tensor, slots: torch.Tensor, kv_indptr: torch.Tensor,
-                    kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> DecodeStep:
+                    kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                    shared: SharedTables | None = None) -> DecodeStep:
         """A DecodeStep of this cache over caller-owned int32 buffers on its device, which a captured CUDA Graph
         reads: its replays run no Python, so the graph's step never goes stale; before each replay the caller checks
-        the prepared step it copies into the buffers (:meth:`check_step`). Used by the engine's decode graphs."""
+        the prepared step it copies into the buffers (:meth:`check_step`). ``shared``: a shared-prefix pass over
+        buffers of the same kind. Used by the engine's decode graphs."""
         for name, t in (("page_ids", page_ids), ("slots", slots), ("kv_indptr", kv_indptr),
                         ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.device != self.device:
                 raise ValueError(f"static_step: {name} must be a 1-D int32 tensor on {self.device}, got "
                                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        return DecodeStep(page_ids, slots, kv_indptr, kv_indices, kv_last_page_len, StepGeneration(self))
+        return DecodeStep(page_ids, slots, kv_indptr, kv_indices, kv_last_page_len, StepGeneration(self), shared)
 
     def step_append(self, layer: int, step: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer's tokens of a step prepared by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D]).
@@ -492,11 +530,27 @@ class CompressedPagedKVCache:
     def step_decode(self, layer: int, step: DecodeStep, q: torch.Tensor, *, sm_scale: float | None = None,
                     out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
         """Decode attention of one layer in a step prepared by :meth:`prepare_step` (``q`` bf16 [B, Hq, D]).
-        Refuses a stale step or another cache's (:meth:`check_step`)."""
+        Refuses a stale step or another cache's (:meth:`check_step`). A step with a shared-prefix pass attends to
+        the prefix once for its rows (``paged_prefill``, not causal), to each row's own pages (``paged_decode``),
+        and merges the two (:func:`torch_zipkv.shared_prefix.attend_shared`)."""
         self.check_step(step, "step_decode")
-        return ops.paged_decode(q, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
-                                step.kv_last_page_len, self.page_size, sm_scale=sm_scale, out=out,
-                                window_left=self._window_left[layer], logits_soft_cap=logits_soft_cap)
+        sh, meta = step.shared, self.meta(layer)
+        if sh is None:
+            return ops.paged_decode(q, self.data, meta, step.kv_indptr, step.kv_indices, step.kv_last_page_len,
+                                    self.page_size, sm_scale=sm_scale, out=out, window_left=self._window_left[layer],
+                                    logits_soft_cap=logits_soft_cap)
+        if not torch.compiler.is_compiling() and q.shape[0] != sh.rows:  # (a compiled step's graphs check it)
+            raise ValueError(f"step_decode: q has {q.shape[0]} rows, the step's shared-prefix pass is laid out for "
+                             f"{sh.rows}")
+        merged = attend_shared(q, self.data, meta, self.page_size, sh, step.kv_indptr, step.kv_indices,
+                               step.kv_last_page_len, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+        own = merged.shape[0]  # a step laid out for more rows than it has (padded by the caller): those are zero
+        if out is None and own == q.shape[0]:
+            return merged
+        out = torch.zeros_like(q) if out is None else out
+        out[:own].copy_(merged)
+        out[own:].zero_()
+        return out
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens of ``seq_id`` in ``layer`` as bf16 ``k, v`` [tokens, num_kv_heads, head_dim], bit-identical

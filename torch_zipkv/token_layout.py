@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .shared_prefix import SharedTables
 from .upload import Uploader
 
 MEMO = 8  # batches, layouts and page tables remembered (a step needs one of each; a few spare for interleaved batches)
@@ -40,8 +41,10 @@ class DecodeStep:
     """One decode step prepared for every layer by :meth:`CompressedPagedKVCache.prepare_step`: where each
     sequence's new token goes (``page_ids``, ``slots``: int32 [B]) and the FlashInfer page table after it
     (``kv_indptr`` [B+1], ``kv_indices`` [nnz], ``kv_last_page_len`` [B]), all int32 on the cache's device.
-    ``stale`` once the cache admitted or freed a sequence, or compressed or compacted pages, since it was prepared
-    (:class:`StepGeneration`): the cache then refuses it, as it refuses a step of another cache."""
+    With ``shared`` (a :class:`~torch_zipkv.shared_prefix.SharedTables`), the table holds each row's pages after the
+    prefix that ``shared`` attends to once for its rows. ``stale`` once the cache admitted or freed a sequence, or
+    compressed or compacted pages, since it was prepared (:class:`StepGeneration`): the cache then refuses it, as it
+    refuses a step of another cache."""
 
     page_ids: torch.Tensor
     slots: torch.Tensor
@@ -49,6 +52,7 @@ class DecodeStep:
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     generation: StepGeneration = field(repr=False)
+    shared: SharedTables | None = field(default=None, repr=False)
 
     @property
     def stale(self) -> bool:

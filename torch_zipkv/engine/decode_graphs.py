@@ -13,6 +13,10 @@ pad page (a page of a one-token sequence the engine keeps for this, so its slots
 padded row to its own slot, and reads nothing (``kv_indptr`` repeats the last real entry, ``kv_last_page_len`` 0), so
 it neither writes into a real page nor is read back; its logits are dropped.
 
+A step with a shared-prefix pass (``DecodeStep.shared``, laid out for the bucket's rows: the padded rows join the
+rows that share nothing) runs in buffer sets of its own, keyed also by the pass's parts and prefix-table size; its
+tables are copied like the others.
+
 ``kv_indices`` is sized to the next power of two of the step's table, so the decode kernel's launch plan (read from
 the shapes) stays close to what the eager step would pick, with few captures.
 
@@ -27,6 +31,8 @@ import time
 
 import torch
 
+from ..shared_prefix import SharedTables
+
 
 def bucket_sizes(max_batch: int, smallest: int = 1) -> list[int]:
     """``smallest`` (1 or 2), 2, 4, 8, then every 16, then ``max_batch``: a bucket pads at most 15 rows (one page's
@@ -39,7 +45,7 @@ def bucket_sizes(max_batch: int, smallest: int = 1) -> list[int]:
 class _Buffers:
     """The static inputs of one (bucket, width), their DecodeStep, and (captured) its graph and output."""
 
-    def __init__(self, kv, batch: int, width: int, pad_page: int, dynamic: bool):
+    def __init__(self, kv, batch: int, width: int, pad_page: int, dynamic: bool, shared: tuple | None):
         device, page_size = kv.device, kv.page_size
         i32 = dict(dtype=torch.int32, device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -55,7 +61,15 @@ class _Buffers:
         if dynamic:
             for t in (self.ids, self.pos, self.page_ids, self.slots, self.indptr, self.indices, self.last):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last)
+        self.shared = None
+        if shared is not None:  # (parts, prefix table size): a SharedTables over buffers, copied whole each step
+            parts, n = shared
+            perm = torch.arange(batch, dtype=torch.long, device=device)
+            qo = torch.arange(2 * parts + 1, **i32).div(2, rounding_mode="floor").mul(batch)  # nobody shares
+            self.shared = SharedTables(perm, perm.clone(), qo, torch.zeros(2 * parts + 1, **i32), torch.zeros(n, **i32),
+                                       torch.zeros(2 * parts, **i32), parts=parts, rows=batch, sharing_rows=0,
+                                       shared_pages=0)
+        self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last, self.shared)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -86,8 +100,8 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
 
-    def _make(self, batch: int, width: int) -> _Buffers:
-        g = _Buffers(self.kv, batch, width, self.pad_page, self.compiled)
+    def _make(self, batch: int, width: int, shared: tuple | None) -> _Buffers:
+        g = _Buffers(self.kv, batch, width, self.pad_page, self.compiled, shared)
         if not self.capture:
             return g
         # Every row is a padded row while capturing: the warm-up run writes only into the pad page.
@@ -109,10 +123,15 @@ class DecodeGraphs:
         bp = self.bucket(b)
         n = step.kv_indices.shape[0]
         width = max(16, 1 << (n - 1).bit_length())
-        g = self.buffers.get((bp, width))
+        sh = step.shared
+        if sh is not None and sh.rows != bp:
+            raise ValueError(f"decode graph: the step's shared-prefix pass is laid out for {sh.rows} rows, the bucket "
+                             f"of {b} rows has {bp}")
+        shared = None if sh is None else (sh.parts, sh.kv_indices.shape[0])
+        g = self.buffers.get((bp, width, shared))
         if g is None:
             t = time.perf_counter()
-            g = self.buffers[(bp, width)] = self._make(bp, width)
+            g = self.buffers[(bp, width, shared)] = self._make(bp, width, shared)
             self.setup_s += time.perf_counter() - t
         g.ids[:b, 0].copy_(ids)
         g.pos[:b, 0].copy_(pos)
@@ -121,6 +140,9 @@ class DecodeGraphs:
         g.indptr[: b + 1].copy_(step.kv_indptr)
         g.last[:b].copy_(step.kv_last_page_len)
         g.indices[:n].copy_(step.kv_indices)
+        if sh is not None:
+            for name in ("perm", "inv_perm", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+                getattr(g.shared, name).copy_(getattr(sh, name))
         if bp > b:  # rows a larger batch used before are padded rows again
             g.page_ids[b:].copy_(g.pad_page_ids[b:])
             g.slots[b:].copy_(g.pad_slots[b:])

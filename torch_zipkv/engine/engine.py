@@ -59,7 +59,9 @@ class Engine:
             :class:`~torch_zipkv.CompressedPagedKVCache`).
         prefix_caching: a request starts from the longest run of its prompt's whole pages the cache holds (another
             request's, running or finished) and prefills only the rest; finished requests' full pages stay cached
-            until their room is needed (docs/engine.md, "Prefix caching"). False: every prompt is prefilled whole.
+            until their room is needed (docs/engine.md, "Prefix caching"); a decode step attends to the pages its
+            requests share once for all of them (:mod:`torch_zipkv.shared_prefix`). False: every prompt is
+            prefilled whole.
     """
 
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
@@ -117,8 +119,11 @@ class Engine:
         self.max_kv_bytes = self.kv.data.numel() + self.kv.stats()["meta_bytes"]  # what the cache holds, all told
         if compile is None:  # compiled tensor-parallel decode is untested on GPUs (no multi-GPU machine ran it)
             compile = on_cuda and group is None
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        shared_prefix = heads // kv_heads if prefix_caching and heads and heads % kv_heads == 0 else 0
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
-                                  compile=compile, max_batch=max_batch)
+                                  compile=compile, max_batch=max_batch, shared_prefix=shared_prefix)
         self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row,
                                    prefix_caching=prefix_caching)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
@@ -321,9 +326,10 @@ class Engine:
         far), ``steps``, ``generated_tokens``, ``prefilled_tokens``, ``cuda_graphs`` (graphs captured),
         ``decode_setup_s`` (seconds spent compiling the decode forward and capturing its graphs); prefix caching:
         ``prefix_cached_tokens`` (prompt tokens found in the cache at admission: the prefill tokens saved),
-        ``prefix_hit_rate`` (their share of the prompt tokens admitted), ``prefix_hits`` (requests that found a
-        prefix), and the cache's pages as stored, ``kv_bytes_cached`` (findable), ``kv_bytes_shared`` (held by two
-        requests or more), ``kv_bytes_evictable`` (held by none: room admission may take)."""
+        ``prefix_hit_rate`` (their share of the prompt tokens admitted), ``prefix_hits`` (requests that found a prefix),
+        ``shared_prefix_steps`` (decode steps that attended to their rows' shared pages once), and the cache's pages as
+        stored, ``kv_bytes_cached`` (findable), ``kv_bytes_shared`` (held by two requests or more),
+        ``kv_bytes_evictable`` (held by none: room admission may take)."""
         s, sched = self.kv.stats(), self.scheduler
         running = sched.running
         prefilling = sum(r.state == "prefill" for r in running)
@@ -336,6 +342,7 @@ class Engine:
                 "cuda_graphs": 0 if graphs is None else graphs.graphs,
                 "decode_setup_s": 0.0 if graphs is None else graphs.setup_s,
                 "prefix_cached_tokens": sched.cached_tokens, "prefix_hits": sched.hits,
+                "shared_prefix_steps": self.runner.shared_steps,
                 "prefix_hit_rate": sched.cached_tokens / sched.prompt_tokens if sched.prompt_tokens else 0.0,
                 "kv_bytes_cached": s["cached_bytes"], "kv_bytes_shared": s["shared_bytes"],
                 "kv_bytes_evictable": s["evictable_bytes"]}

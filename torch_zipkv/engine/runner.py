@@ -36,8 +36,11 @@ class ModelRunner:
     token (the last sampled one), its position, and the sampling parameters. A step's sampling writes the next inputs
     in place, so the host never waits for a token before launching the next step."""
 
-    def __init__(self, model, kv, *, cuda_graphs: bool, compile: bool, max_batch: int | None):
+    def __init__(self, model, kv, *, cuda_graphs: bool, compile: bool, max_batch: int | None,
+                 shared_prefix: int = 0):
         self.model, self.kv, self.device = model, kv, kv.device
+        self.shared_prefix = shared_prefix  # the model's GQA group: decode steps attend to shared pages once
+        self.shared_steps = 0  # decode steps that did
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
         self.hf_cache = EngineCache(kv)
@@ -136,7 +139,9 @@ class ModelRunner:
 
     def decode(self, batch: list[Request]) -> torch.Tensor:
         """One decode step of ``batch`` (one token each); returns the sampled tokens (int64 [B], on the device)."""
-        step = self.kv.prepare_step([r.seq_id for r in batch])
+        rows = len(batch) if self.graphs is None else self.graphs.bucket(len(batch))
+        step = self.kv.prepare_step([r.seq_id for r in batch], shared_prefix=self.shared_prefix, rows=rows)
+        self.shared_steps += step.shared is not None
         slots, = self._upload(np.fromiter((r.slot for r in batch), dtype=np.int64, count=len(batch)))
         ids, pos = self._next[slots], self._pos[slots]
         if self.graphs is not None:
