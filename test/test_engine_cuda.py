@@ -97,6 +97,27 @@ def test_prefix_caching_on_cuda_matches_caching_off_and_generate():
         ref.check(list(prompt), finals[False][prompt], ulps=4)
 
 
+def test_shared_prefix_decode_in_cuda_graphs_matches_generate():
+    """Requests that hold a 100-token cached prefix at once, under the default GPU decode step (compiled, CUDA
+    Graphs): their decode steps attend to the shared pages once (the pass's own graph buffers), and the tokens are
+    transformers' own up to bf16 ties, as with caching off."""
+    model = small_model("llama").cuda()
+    ref = Reference(model)
+    rng = random.Random(9)
+    prefix = prompts_of(rng, [100])[0]
+    prompts = [prefix + p for p in prompts_of(rng, [rng.randint(1, 30) for _ in range(6)])]
+    arrivals = [(0 if i == 0 else 8, p, SamplingParams(max_new_tokens=30 if i == 0 else 16))
+                for i, p in enumerate(prompts)]
+    for caching in (True, False):
+        eng = Engine(model, max_kv_bytes=64 << 20, kv_chunk_bytes=256 << 10, prefill_chunk=16, compress_every=1,
+                     prefix_caching=caching)
+        outs = run_all(eng, arrivals)
+        stats = eng.stats()
+        assert stats["cuda_graphs"] >= 1 and (stats["shared_prefix_steps"] > 0) == caching, stats
+        for o in outs.values():
+            ref.check(o[-1].prompt_token_ids, o[-1].token_ids, ulps=4)
+
+
 def test_smollm2_on_cuda_matches_generate():
     """SmolLM2 (real weights) on the GPU: the engine's greedy tokens are transformers' own, up to bf16 ties."""
     model, tok = require_smollm2().load_smollm2()
