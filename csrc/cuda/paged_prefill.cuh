@@ -233,46 +233,29 @@ __device__ __forceinline__ void issue_chunk(const Params& p, BlockPlan plan, uin
   }
 }
 
-// A staged block's bytes of this lane, read from shared memory (16 bytes, and 16 more raw or 8 more compressed), and
-// its descriptor: a warp reads all its blocks of a chunk first, then rebuilds them, so the reads' latencies overlap.
-struct StagedLane {
-  uint4 a, b;
-  uint32_t desc;
-};
-
-__device__ __forceinline__ StagedLane read_staged(int j, const uint8_t* stage, const uint8_t* descs, int lane) {
-  StagedLane x{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), descs[j]};
-  const uint8_t* src = stage + j * kRawBlockBytes;
-  if (x.desc == kDescSkip || x.desc == kDescBad) return x;
-  x.a = *reinterpret_cast<const uint4*>(src + 16 * lane);
-  if (x.desc == kDescRaw) {
-    x.b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
-  } else {
-    const uint2 c = *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane);
-    x.b.x = c.x, x.b.y = c.y;
-  }
-  return x;
-}
-
 // Rebuilds staged block j into bf16 in the K or V tile ([kKV][kStride], natural order): the lane's 8 words in
 // position order (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix
 // (block_io.cuh store_lane_words, with the tile's row stride). Values of tokens at or past kv_len are zeroed in V (an
 // open page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is 0).
 template <int D>
-__device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const StagedLane& x, uint16_t* ks,
-                                              uint16_t* vs, int lane) {
+__device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
+                                              const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
   using C = Cfg<D>;
   const BlockOf<D> blk(j);
   const int tile = blk.tile, is_v = blk.is_v, span = blk.span;
-  const uint8_t desc = static_cast<uint8_t>(x.desc);
+  const uint8_t desc = descs[j];
+  const uint8_t* src = stage + j * kRawBlockBytes;
   uint32_t w[8];
   if (desc == kDescSkip || desc == kDescBad) {
 #pragma unroll
     for (int m = 0; m < 8; ++m) w[m] = 0;
   } else if (desc == kDescRaw) {
-    w[0] = x.a.x, w[1] = x.a.y, w[2] = x.a.z, w[3] = x.a.w, w[4] = x.b.x, w[5] = x.b.y, w[6] = x.b.z, w[7] = x.b.w;
+    const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
   } else {
-    decode_lane(x.a, make_uint2(x.b.x, x.b.y), desc, w);
+    decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
+                *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
   }
   uint16_t* base = (is_v ? vs : ks) + tile * kTileTokens * C::kStride + span * kBlockDims;
   store_lane_words(reinterpret_cast<uint32_t*>(base), is_v, lane, w, C::kStride / 2);
@@ -302,22 +285,20 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
   const int t = lane % 4;
 
-  // S = Q K^T over the chunk's keys. A k-step's fragments are all loaded before its MMAs, so the MMAs wait on one
-  // ldmatrix latency a step, not one per fragment (asm volatile keeps program order).
+  // S = Q K^T over the chunk's keys.
   float s[kSN][4];
 #pragma unroll
   for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
-    uint32_t a[4], bk[kSN / 2][4];
+    uint32_t a[4];
     ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + k * 16 + (lane / 16) * 8);
 #pragma unroll
-    for (int n = 0; n < kSN / 2; ++n)
-      ldmatrix_x4(bk[n], ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
-#pragma unroll
     for (int n = 0; n < kSN / 2; ++n) {
-      mma(s[2 * n], a, bk[n][0], bk[n][1]);
-      mma(s[2 * n + 1], a, bk[n][2], bk[n][3]);
+      uint32_t bk[4];
+      ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
+      mma(s[2 * n], a, bk[0], bk[1]);
+      mma(s[2 * n + 1], a, bk[2], bk[3]);
     }
   }
 
@@ -363,26 +344,18 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     }
   }
 
-  // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16). V's
-  // fragments in groups of 4 ldmatrix ahead of their MMAs, as above.
-  constexpr int kGroup = 4;
+  // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
     const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                            pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                            pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-    for (int n0 = 0; n0 < D / 16; n0 += kGroup) {
-      uint32_t bv[kGroup][4];
-#pragma unroll
-      for (int n = 0; n < kGroup; ++n)
-        ldmatrix_x4_trans(
-            bv[n], vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + (n0 + n) * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int n = 0; n < kGroup; ++n) {
-        mma(o[2 * (n0 + n)], a, bv[n][0], bv[n][1]);
-        mma(o[2 * (n0 + n) + 1], a, bv[n][2], bv[n][3]);
-      }
+    for (int n = 0; n < D / 16; ++n) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + n * 16 + (lane / 16) * 8);
+      mma(o[2 * n], a, bv[0], bv[1]);
+      mma(o[2 * n + 1], a, bv[2], bv[3]);
     }
   }
 }
@@ -508,13 +481,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kDescRing * C::kDescBytes;
-    StagedLane staged[kPerWarp];
-#pragma unroll
-    for (int i = 0; i < kPerWarp; ++i) staged[i] = read_staged(warp * kPerWarp + i, stage, descs, lane);
 #pragma unroll
     for (int i = 0; i < kPerWarp; ++i) {
-      refused |=
-          rebuild_block<D>(warp * kPerWarp + i, chunk_key(ci), kv_len, staged[i], kv_tile(ci, 0), kv_tile(ci, 1), lane);
+      const int j = warp * kPerWarp + i;
+      refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
     }
   };
 
