@@ -155,60 +155,34 @@ __device__ __forceinline__ int32_t block_page(const Params& p, int kv_first_page
   return j < Cfg<D>::kBlocks && tok < hi ? __ldg(p.kv_indices + kv_first_page + tok / p.page_size) : -1;
 }
 
-// Block j's meta row in registers, all its words loaded at once (none depends on another): the producer loads a
-// chunk's rows a step before it plans from them, so no step waits on a meta load. Sized for the largest page.
-template <int D>
-struct MetaRow {
-  static constexpr int kWords = kMetaHeaderWords + ((kMaxPageSize / kTileTokens) * (D / kBlockDims) + 3) / 4;
-  int32_t w[kWords];
-};
-
-template <int D>
-__device__ __forceinline__ MetaRow<D> load_meta_row(const Params& p, int head, int64_t c0, int64_t hi, int j,
-                                                    int32_t page) {
-  const BlockOf<D> blk(j);
-  const bool want = j < Cfg<D>::kBlocks && c0 + int64_t{blk.tile} * kTileTokens < hi && page >= 0 && page < p.num_pages;
-  const int32_t* row = p.meta + ((int64_t{want ? page : 0} * 2 + blk.is_v) * p.H + head) * p.words;
-  MetaRow<D> m;
-#pragma unroll
-  for (int w = 0; w < MetaRow<D>::kWords; ++w) m.w[w] = want && w < p.words ? __ldg(row + w) : 0;
-  return m;
-}
-
 // Where block j of the chunk at c0 lies: its descriptor (kDescSkip past the CTA's keys, kDescBad for a refused page
-// or meta row: read_stream's refusals, from the row in registers) and its byte offset in data.
+// or meta row) and its byte offset in data.
 struct BlockPlan {
   int64_t src;
   uint32_t desc;
 };
 
 template <int D>
-__device__ __forceinline__ BlockPlan plan_block(const Params& p, int64_t c0, int64_t hi, int j, int32_t page,
-                                                const MetaRow<D>& m) {
+__device__ __forceinline__ BlockPlan plan_block(const Params& p, int head, int64_t c0, int64_t hi, int j,
+                                                int32_t page) {
   const BlockOf<D> blk(j);
   const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
-  if (j >= Cfg<D>::kBlocks || tok >= hi) return {0, kDescSkip};
-  if (page < 0 || page >= p.num_pages || m.w[0] < 0 || tag_status(m.w[1], p.page_size, D) != kStreamOk)
-    return {0, kDescBad};
-  const int nblocks = blocks_per_stream(p.page_size, D);
-  const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
-  int total = 0, offset = 0;
-  uint32_t desc = 0;
-  bool valid = true;
-#pragma unroll
-  for (int i = 0; i < 4 * (MetaRow<D>::kWords - kMetaHeaderWords); ++i) {
-    const uint32_t d = (static_cast<uint32_t>(m.w[kMetaHeaderWords + i / 4]) >> (8 * (i % 4))) & 0xFFu;
-    if (i < nblocks) {
-      valid &= desc_valid(static_cast<uint8_t>(d));
-      const int bytes = block_bytes(static_cast<uint8_t>(d));
-      total += bytes;
-      offset += i < b ? bytes : 0;
-      desc = i == b ? d : desc;
+  BlockPlan plan{0, kDescSkip};
+  if (j < Cfg<D>::kBlocks && tok < hi) {
+    plan.desc = kDescBad;
+    if (page >= 0 && page < p.num_pages) {
+      const int32_t* row = p.meta + ((int64_t{page} * 2 + blk.is_v) * p.H + head) * p.words;
+      int64_t start;
+      int nbytes;
+      if (read_stream(row, p.page_size, D, p.data_bytes, &start, &nbytes) == kStreamOk) {
+        const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
+        const uint8_t* d = row_descriptors(row);
+        plan.desc = d[b];
+        plan.src = start + block_offset(d, b);
+      }
     }
   }
-  const int64_t start = int64_t{m.w[0]} * kStreamAlign;
-  if (!valid || start + total > p.data_bytes) return {0, kDescBad};
-  return {start + offset, desc};
+  return plan;
 }
 
 // The producer warp starts the copies of a planned chunk (lane j holds block j's plan) into its staging buffer, each
@@ -424,25 +398,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     // ---- The producer: plans kS + 1 chunks ahead, copies kS ahead, waits for them two ahead of their multiply.
     // Every step commits one copy group (empty past the last chunk), so "at most kS - 2 in flight" always means
     // "the chunk the compute warps rebuild next has landed".
-    const auto plan_now = [&](int ci) {
-      const int32_t page = block_page<D>(p, kp0, chunk_key(ci), hi, lane);
-      return plan_block<D>(p, chunk_key(ci), hi, lane, page, load_meta_row<D>(p, head, chunk_key(ci), hi, lane, page));
-    };
     BlockPlan plan{0, kDescSkip};
     for (int ci = 0; ci < kS; ++ci) {
       if (ci < chunks) {
-        plan = plan_now(ci);
+        plan = plan_block<D>(p, head, chunk_key(ci), hi, lane, block_page<D>(p, kp0, chunk_key(ci), hi, lane));
         issue_chunk<D>(p, plan, stages + ci * C::kStageBytes, desc_ring + ci % kDescRing * C::kDescBytes, lane);
       }
       cp_async_commit();
     }
-    if (kS < chunks) plan = plan_now(kS);
-    // Software-pipelined over the steps: step ci copies chunk ci + kS (planned the step before), plans chunk
-    // ci + kS + 1 from the meta row loaded the step before, loads chunk ci + kS + 2's meta row from the page id loaded
-    // the step before, and loads chunk ci + kS + 3's page id.
-    int32_t page1 = kS + 1 < chunks ? block_page<D>(p, kp0, chunk_key(kS + 1), hi, lane) : -1;
-    MetaRow<D> row1 = load_meta_row<D>(p, head, chunk_key(kS + 1), hi, lane, page1);
-    int32_t page2 = kS + 2 < chunks ? block_page<D>(p, kp0, chunk_key(kS + 2), hi, lane) : -1;
+    int32_t page_next = kS < chunks ? block_page<D>(p, kp0, chunk_key(kS), hi, lane) : -1;
+    if (kS < chunks) plan = plan_block<D>(p, head, chunk_key(kS), hi, lane, page_next);
+    page_next = kS + 1 < chunks ? block_page<D>(p, kp0, chunk_key(kS + 1), hi, lane) : -1;
     cp_async_wait<kS - 2>();  // chunks 0 and 1
     __syncthreads();          // the rebuild of chunk 0
     __syncthreads();          // chunk 0 rebuilt: its staging buffer is free
@@ -452,10 +418,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         issue_chunk<D>(p, plan, stages + ci % kS * C::kStageBytes, desc_ring + next % kDescRing * C::kDescBytes, lane);
       }
       cp_async_commit();
-      if (next + 1 < chunks) plan = plan_block<D>(p, chunk_key(next + 1), hi, lane, page1, row1);
-      page1 = page2;
-      if (next + 2 < chunks) row1 = load_meta_row<D>(p, head, chunk_key(next + 2), hi, lane, page1);
-      page2 = next + 3 < chunks ? block_page<D>(p, kp0, chunk_key(next + 3), hi, lane) : -1;
+      if (next + 1 < chunks) plan = plan_block<D>(p, head, chunk_key(next + 1), hi, lane, page_next);
+      if (next + 2 < chunks) page_next = block_page<D>(p, kp0, chunk_key(next + 2), hi, lane);
       cp_async_wait<kS - 2>();  // chunk ci + 2, which the compute warps rebuild in the next step
       __syncthreads();
     }
