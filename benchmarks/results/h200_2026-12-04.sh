@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The H200 box, 2026-12-04: the nine calls behind bench_prefill_h200.json, bench_projections_h200.json,
+# The H200 box, 2026-12-04: the ten calls behind bench_prefill_h200.json, bench_projections_h200.json,
 # bench_e2e_h200.json, bench_prefix_h200.json and tests_h200/test_gpu_files.log, test_prefill_engine.log,
-# test_prefill_kernels.log, test_decode_engine_multi.log, test_refactor.log, and bench_shared_decode_h200.json.
+# test_prefill_kernels.log, test_decode_engine_multi.log, test_refactor.log, test_prefill_tiles.log, and
+# bench_shared_decode_h200.json, bench_prefill_tiles_h200.json.
 # Each call ran one of the scripts below as .box/runN.sh, with carry [".box"] (box.sh, the FlashInfer wheels, and
 # .box/data/real_kv.pt from `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`).
 #   call 1 (c3b3c75): run1.sh   the GPU test files (307 passed; test_compile.py not collected: no expecttest on the box),
@@ -21,6 +22,10 @@
 #                               speculative rows of bench_prefill_h200.json (the file's note)
 #   call 9 (68acd80): COMMIT=68acd80 bash run7.sh   bench_shared_decode (bench_shared_decode_h200.json), then the
 #                               prefill, decode and error GPU tests (test_refactor.log: 287 passed)
+#   call 10 (7caf12a): COMMIT=7caf12a TESTK="tiles or long or window or cap or pages or real or graph or bad or plan"
+#                               BENCH_ARGS=--quick bash run8.sh   the pipelined tile kernel: its paged_prefill GPU tests
+#                               (test_prefill_tiles.log: 109 passed), bench_prefill --cases chunked --quick
+#                               (bench_prefill_tiles_h200.json)
 
 # ---- .box/run1.sh
 # build; the GPU tests of paged_prefill, the engine (compiled, prefix caching), decode and transformers; then
@@ -127,4 +132,19 @@ timeout 60 python3 benchmarks/bench_shared_decode.py --out "$OUT" --iters 20 2>&
 echo "bench at $SECONDS s"
 timeout 120 python3 -m pytest test/test_paged_prefill_cuda.py test/test_decode_cuda.py test/test_errors.py -q \
   -p no:cacheprovider -n 8 -rfE 2>&1 | tee "$OUT/tests/refactor.log" | grep -v "Warn\|warn" | tail -12
+echo "all $SECONDS s"
+
+# ---- .box/run8.sh
+# build; paged_prefill's GPU tests (the pipelined tile kernel); bench_prefill's chunked cases with FlashInfer.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout ${T1:-150} python3 -m pytest test/test_paged_prefill_cuda.py -q -x -p no:cacheprovider -n 8 -rfE ${TESTK:+-k "$TESTK"} 2>&1 \
+  | tee "$OUT/tests/prefill.log" | grep -v "Warn\|warn" | tail -25
+echo "tests at $SECONDS s"
+timeout ${T2:-200} python3 benchmarks/bench_prefill.py --out "$OUT" --cases chunked --iters ${ITERS:-10} ${BENCH_ARGS:-} 2>&1 \
+  | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -16
 echo "all $SECONDS s"
