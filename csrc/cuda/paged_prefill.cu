@@ -6,7 +6,7 @@
 // Two kernels, by the mean query rows (q_len x group) per request:
 // - short queries (speculative verification, a few decode steps at once): the decode kernel's kMulti variant
 //   (paged_decode.cuh), memory-bound like decode, each tile streamed once for up to 16 query rows of a request;
-// - longer ones (chunked prefill): the tile kernel (paged_prefill.cuh), compute-bound, 64 query rows per CTA, each
+// - longer ones (chunked prefill): the tile kernel (paged_prefill.cuh), compute-bound, 128 query rows per CTA, each
 //   K/V tile rebuilt into shared memory once per CTA for the ordinary ldmatrix + MMA path.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,9 +24,9 @@ namespace zipkv::cuda {
 namespace {
 
 // Up to this many query rows (q_len x group) per request on average the decode kernel serves the batch: one pass over
-// each request's pages per 16 rows, where the tile kernel's CTAs of 64 rows stream the pages for a quarter of their
-// rows or less. At q_len 2-8 over 8K (group 4: 8-32 rows) the tile kernel took 4.0-4.4x decode's time and this takes
-// 1.1-2.4x (docs/performance.md, "Prefill attention"); where the two cross above 32 rows is not measured.
+// each request's pages per 16 rows, where the tile kernel's CTAs of 128 rows stream the pages for an eighth of their
+// rows or less. At q_len 2-8 over 8K (group 4: 8-32 rows) the tile kernel of 64 rows took 4.0-4.4x decode's time and
+// this takes 1.1-2.4x (docs/performance.md, "Prefill attention"); where the two cross above 32 rows is not measured.
 constexpr int64_t kShortRows = 32;
 
 bool short_queries(int64_t nnz_q, int64_t batch, int64_t group) { return nnz_q * group <= kShortRows * batch; }
