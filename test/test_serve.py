@@ -101,7 +101,8 @@ def test_shared_prefix_and_chat_loads_find_cached_pages(tiny, tmp_path, capsys):
     shared = serve.main(common + ["--num-prompts", "8", "--prompt-len", "4", "--shared-prefix-len", "40",
                                   "--num-prefixes", "2", "--arrival-rate", "50"])
     assert shared["requests"] == 8 and shared["prefix_hits"] >= 1 and shared["prefix_cached_tokens"] >= 32
-    assert "prompt tokens found (hit rate" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prompt tokens found (hit rate" in printed and "decode steps attended to shared pages once" in printed
     out = tmp_path / "chat.jsonl"
     chat = serve.main(common + ["--num-prompts", "2", "--prompt-len", "20", "--turns", "3", "--out", str(out)])
     rows = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}

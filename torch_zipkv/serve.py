@@ -490,6 +490,7 @@ def serve(engine: Engine, load, *, total: int | None = None, on_result=None, on_
             "largest_batch": s["largest_batch"], "steps": s["steps"],
             "prefix_caching": engine.scheduler.prefix_caching, "prefix_hit_rate": s["prefix_hit_rate"],
             "prefix_cached_tokens": s["prefix_cached_tokens"], "prefix_hits": s["prefix_hits"],
+            "shared_prefix_steps": s["shared_prefix_steps"],
             "kv_ratio_mean": ratio_sum / ratio_steps if ratio_steps else 1.0, "kv_bytes_total": s["kv_bytes_total"],
             "cuda_graphs": s["cuda_graphs"]}
 
@@ -826,7 +827,8 @@ def print_summary(summary: dict, *, compressed: bool) -> None:
           f"largest batch {summary['largest_batch']}, KV stored/raw {summary['kv_ratio_mean']:.3f} (mean over steps), "
           f"KV budget {summary['kv_bytes_total'] / 2**20:.0f} MiB, {'compressed' if compressed else 'raw'}\n"
           + (f"prefix cache: {summary['prefix_cached_tokens']} prompt tokens found (hit rate "
-             f"{summary['prefix_hit_rate']:.3f}), {summary['prefix_hits']} requests started from cached pages"
+             f"{summary['prefix_hit_rate']:.3f}), {summary['prefix_hits']} requests started from cached pages, "
+             f"{summary['shared_prefix_steps']} decode steps attended to shared pages once"
              if summary["prefix_caching"] else "prefix caching off"))
 
 
