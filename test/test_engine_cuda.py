@@ -16,7 +16,7 @@ from conftest import require_smollm2, requires_cuda  # noqa: E402
 from engine_reference import Reference  # noqa: E402
 from hf_models import small_model  # noqa: E402
 from test_engine import prompts_of, run_all  # noqa: E402
-from test_engine_prefix import shared_prompts  # noqa: E402
+from test_engine_prefix import shared_prefix_arrivals, shared_prompts  # noqa: E402
 
 pytestmark = requires_cuda
 
@@ -103,11 +103,7 @@ def test_shared_prefix_decode_in_cuda_graphs_matches_generate():
     transformers' own up to bf16 ties, as with caching off."""
     model = small_model("llama").cuda()
     ref = Reference(model)
-    rng = random.Random(9)
-    prefix = prompts_of(rng, [100])[0]
-    prompts = [prefix + p for p in prompts_of(rng, [rng.randint(1, 30) for _ in range(6)])]
-    arrivals = [(0 if i == 0 else 8, p, SamplingParams(max_new_tokens=30 if i == 0 else 16))
-                for i, p in enumerate(prompts)]
+    arrivals = shared_prefix_arrivals(random.Random(9), 6, 16)
     for caching in (True, False):
         eng = Engine(model, max_kv_bytes=64 << 20, kv_chunk_bytes=256 << 10, prefill_chunk=16, compress_every=1,
                      prefix_caching=caching)

@@ -57,19 +57,23 @@ def test_tokens_equal_caching_off_and_generate(arch, case):
         ref.check(list(prompt), tokens)
 
 
+def shared_prefix_arrivals(rng: random.Random, requests: int, new_tokens: int) -> list:
+    """A 100-token prompt prefix (6 whole pages) and ``requests`` prompts over it: the first request prefills the
+    prefix (7 steps of 16 tokens at most) and decodes on while the others arrive at step 8, find its pages and decode
+    beside it."""
+    prefix = prompts_of(rng, [100])[0]
+    prompts = [prefix + p for p in prompts_of(rng, [rng.randint(1, 30) for _ in range(requests)])]
+    return [(0 if i == 0 else 8, p, SamplingParams(max_new_tokens=30 if i == 0 else new_tokens))
+            for i, p in enumerate(prompts)]
+
+
 @pytest.mark.parametrize("chunk, compile", [(16, False), (512, False), (16, True)])
 def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile):
     """Requests over a 100-token prompt prefix (6 whole pages) that all hold it at once: decode steps attend to its
     pages once for every sharing request (stats: shared_prefix_steps), and the greedy tokens are transformers' own up
     to bf16 ties; with caching off no step does."""
     model, ref = llama
-    rng = random.Random(7)
-    prefix = prompts_of(rng, [100])[0]
-    prompts = [prefix + p for p in prompts_of(rng, [rng.randint(1, 30) for _ in range(5)])]
-    # The first request prefills the prefix (7 steps of 16 tokens at most) and decodes on while the others arrive,
-    # find its pages and decode beside it.
-    arrivals = [(0 if i == 0 else 8, p, SamplingParams(max_new_tokens=30 if i == 0 else 12))
-                for i, p in enumerate(prompts)]
+    arrivals = shared_prefix_arrivals(random.Random(7), 5, 12)
     for caching in (True, False):
         eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=chunk, prefix_caching=caching, compile=compile)
         outs = run_all(eng, arrivals)
