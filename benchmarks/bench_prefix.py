@@ -105,6 +105,7 @@ def run_job(spec: dict, report: dict) -> None:
         largest_batch=summary["largest_batch"], steps=after["steps"] - before["steps"],
         kv_ratio_mean=summary["kv_ratio_mean"], prefix_cached_tokens=found, prefilled_tokens=prefilled,
         prefix_hits=after["prefix_hits"] - before["prefix_hits"],
+        shared_prefix_steps=after["shared_prefix_steps"] - before["shared_prefix_steps"],
         prefix_hit_rate=found / (found + prefilled) if found + prefilled else 0.0, cuda_graphs=after["cuda_graphs"],
         # Inside the load, not the warm-up: compilation and graph capture (seconds), and graphs dynamo compiled.
         decode_setup_s_in_load=after["decode_setup_s"] - before["decode_setup_s"],
