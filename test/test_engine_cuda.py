@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from torch_zipkv import shared_prefix  # noqa: E402
 from torch_zipkv.engine import Engine, SamplingParams  # noqa: E402
 
 from conftest import require_smollm2, requires_cuda  # noqa: E402
@@ -97,10 +98,11 @@ def test_prefix_caching_on_cuda_matches_caching_off_and_generate():
         ref.check(list(prompt), finals[False][prompt], ulps=4)
 
 
-def test_shared_prefix_decode_in_cuda_graphs_matches_generate():
+def test_shared_prefix_decode_in_cuda_graphs_matches_generate(monkeypatch):
     """Requests that hold a 100-token cached prefix at once, under the default GPU decode step (compiled, CUDA
     Graphs): their decode steps attend to the shared pages once (the pass's own graph buffers), and the tokens are
     transformers' own up to bf16 ties, as with caching off."""
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_PAGES", 1)  # a small model's small prefix
     model = small_model("llama").cuda()
     ref = Reference(model)
     arrivals = shared_prefix_arrivals(random.Random(9), 6, 16)

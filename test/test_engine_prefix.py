@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from torch_zipkv import shared_prefix  # noqa: E402
 from torch_zipkv.engine import Engine, SamplingParams  # noqa: E402
 
 from conftest import bits  # noqa: E402
@@ -68,10 +69,11 @@ def shared_prefix_arrivals(rng: random.Random, requests: int, new_tokens: int) -
 
 
 @pytest.mark.parametrize("chunk, compile", [(16, False), (512, False), (16, True)])
-def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile):
+def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile, monkeypatch):
     """Requests over a 100-token prompt prefix (6 whole pages) that all hold it at once: decode steps attend to its
     pages once for every sharing request (stats: shared_prefix_steps), and the greedy tokens are transformers' own up
     to bf16 ties; with caching off no step does."""
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_PAGES", 1)  # a small model's small prefix
     model, ref = llama
     arrivals = shared_prefix_arrivals(random.Random(7), 5, 12)
     for caching in (True, False):

@@ -13,11 +13,27 @@ import torch
 
 from torch_zipkv import CompressedPagedKVCache
 from torch_zipkv.page_pool import page_hashes
+from torch_zipkv import shared_prefix
 from torch_zipkv.shared_prefix import MIN_PAGES, find_group, merge_parts, parts_for, shared_prefix_tables
 
 from conftest import rel_err
 
 LAYERS, H, D, P, GROUP = 2, 2, 64, 16, 4
+
+
+@pytest.fixture(autouse=True)
+def small_savings_count(monkeypatch):
+    """These caches are small: any saving runs the pass (its real threshold is tested below)."""
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_PAGES", 1)
+
+
+def test_no_pass_below_its_savings_threshold(monkeypatch):
+    """A group runs the pass only if it saves MIN_SAVED_PAGES page reads: (rows - 1) x shared pages."""
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_PAGES", 30)
+    a = np.arange(100, 140, dtype=np.int32)
+    assert find_group([a, a, a], np.array([14, 14, 14])) is None  # 2 x 14 = 28 reads saved
+    group, common = find_group([a, a, a, a], np.array([14, 14, 14, 14]))  # 3 x 14 = 42
+    assert group.tolist() == [0, 1, 2, 3] and common == 14
 
 
 def test_find_group_saves_the_most_page_reads():

@@ -26,8 +26,12 @@ import torch
 
 from . import ops
 
-MIN_ROWS = 2  # rows that must share a prefix for the cascade to run
-MIN_PAGES = 4  # and pages they must share: below this the second kernel and the merge cost more than they save
+MIN_ROWS = 2  # rows that must share a prefix for the pass to run
+MIN_PAGES = 4  # and pages they must share
+# Page reads the pass must save ((rows - 1) x shared pages): its second kernel and the merge cost some 10 us a layer in
+# a graph, where a page read costs about 16 ns at the 8B shape's 64 KB a page and 4 TB/s, so below some 600 reads a
+# step would lose. Not measured yet: a cost estimate, set low rather than high.
+MIN_SAVED_PAGES = 256
 _TARGET_CTAS = 264  # the prefix pass's CTAs to aim for: two per SM of an H100 or H200
 _TILE_ROWS = 128  # query rows a CTA of paged_prefill's tile kernel takes
 _MAX_PARTS = 16
@@ -61,9 +65,10 @@ def parts_for(rows: int, group: int, num_kv_heads: int) -> int:
 
 def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, int] | None:
     """The rows whose shared leading pages save the most page reads ((rows - 1) x pages): (their indices in ``pages``
-    order, the pages they share), or None if no MIN_ROWS rows share MIN_PAGES pages. ``pages``: each row's page ids
-    in token order; ``full``: how many of them are full and no longer written (a shared page always is). Rows with
-    the same first page are candidates; among them, the k that match the longest of them furthest."""
+    order, the pages they share), or None if no MIN_ROWS rows share MIN_PAGES pages saving MIN_SAVED_PAGES reads.
+    ``pages``: each row's page ids in token order; ``full``: how many of them are full and no longer written (a shared
+    page always is). Rows with the same first page are candidates; among them, the k that match the longest of them
+    furthest."""
     by_first: dict[int, list[int]] = {}
     for i, n in enumerate(full.tolist()):
         if n >= MIN_PAGES:
@@ -82,7 +87,7 @@ def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, i
         order = np.argsort(-np.array(match), kind="stable")
         for k in range(MIN_ROWS, len(rows) + 1):
             common = match[order[k - 1]]
-            if common >= MIN_PAGES and (k - 1) * common > best_saved:
+            if common >= MIN_PAGES and (k - 1) * common >= MIN_SAVED_PAGES and (k - 1) * common > best_saved:
                 best = (np.sort(np.array(rows, dtype=np.int64)[order[:k]]), common)
                 best_saved = (k - 1) * common
     return best
