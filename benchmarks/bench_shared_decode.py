@@ -33,7 +33,8 @@ import bench_decode as bd  # noqa: E402  (timing, real-like pages, storage)
 
 import torch_zipkv  # noqa: E402
 from torch_zipkv import format as fmt  # noqa: E402
-from torch_zipkv.shared_prefix import SharedTables, attend_shared, shared_prefix_tables  # noqa: E402
+from torch_zipkv.shared_prefix import TENSORS as SHARED_TENSORS  # noqa: E402
+from torch_zipkv.shared_prefix import SharedTables, attend_shared, own_table, shared_prefix_tables  # noqa: E402
 
 PAGE = bd.PAGE
 
@@ -56,15 +57,13 @@ def shared_pass(pages: list, shape: dict, device="cuda"):
     it out): its SharedTables and the rows' own page tables."""
     full = np.array([len(p) for p in pages])
     t = shared_prefix_tables(pages, full, len(pages), shape["Hq"] // shape["Hkv"], shape["Hkv"], PAGE)
-    skip = t.pop("skip")
-    own = [p[s:] for p, s in zip(pages, skip)]
-    to = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in t.items() if isinstance(v, np.ndarray)}
-    tables = SharedTables(to["perm"], to["inv_perm"], to["qo_indptr"], to["kv_indptr"], to["kv_indices"],
-                          to["kv_last_page_len"], parts=t["parts"], rows=len(pages), sharing_rows=t["sharing_rows"],
+    indptr = np.r_[0, np.cumsum(full)].astype(np.int32)
+    own = own_table(indptr, np.concatenate(pages).astype(np.int32), t.pop("skip"))
+    dev = [torch.from_numpy(np.ascontiguousarray(t[k])).to(device) for k in SHARED_TENSORS]
+    tables = SharedTables(*dev, parts=t["parts"], rows=len(pages), sharing_rows=t["sharing_rows"],
                           shared_pages=t["shared_pages"])
-    indptr = torch.tensor(np.r_[0, np.cumsum([len(o) for o in own])], dtype=torch.int32, device=device)
-    indices = torch.from_numpy(np.concatenate(own)).to(device)
-    return tables, (indptr, indices, torch.full((len(pages),), PAGE, dtype=torch.int32, device=device))
+    own_dev = [torch.from_numpy(a).to(device) for a in own]
+    return tables, (*own_dev, torch.full((len(pages),), PAGE, dtype=torch.int32, device=device))
 
 
 def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams, flush, gen) -> dict:

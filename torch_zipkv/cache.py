@@ -52,7 +52,8 @@ from .compression_rounds import CompressionRounds
 from .distributed import all_min, check_process_group
 from .page_pool import PagePool
 from .page_store import PageStore
-from .shared_prefix import SharedTables, attend_shared, shared_prefix_tables
+from .shared_prefix import TENSORS as SHARED_TENSORS
+from .shared_prefix import SharedTables, attend_shared, own_table, shared_prefix_tables
 from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader
 
@@ -63,9 +64,6 @@ _CHUNK_BYTES = 4 << 20  # the largest default arena chunk
 # used chunks (a slot chunk and a packed one), so with 4 MiB chunks a small budget over many layers would spend most
 # of itself on that slack (256 MiB over 32 layers: 64 chunks, two a layer).
 _CHUNKS_PER_LAYER = 32
-
-
-_SHARED_ARRAYS = ("perm", "inv_perm", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")  # SharedTables'
 
 
 class CacheFullError(RuntimeError):
@@ -463,7 +461,7 @@ class CompressedPagedKVCache:
         shared = None
         if shared_prefix and all(w is None for w in self.sliding_window):
             shared = self._shared_pass(batch, start, tables, shared_prefix, rows)
-        extra = [] if shared is None else [shared[k] for k in _SHARED_ARRAYS]
+        extra = [] if shared is None else [shared[k] for k in SHARED_TENSORS]
         # The step's one host-to-device copy, the step's tensors first (see TokenLayouts.step_tables).
         page_ids, slots, indptr, last, indices, *rest = self._upload(*tables, *extra, *writes)
         self._store.write_open_rows(*rest[len(extra):])
@@ -478,16 +476,11 @@ class CompressedPagedKVCache:
     def _shared_pass(self, batch: Batch, start: np.ndarray, tables: list, group: int, rows: int) -> dict | None:
         """The shared-prefix pass of a step (:func:`~torch_zipkv.shared_prefix.shared_prefix_tables`), or None; if one,
         ``tables``' page table (kv_indptr, kv_indices) becomes each row's pages after the prefix, in place."""
-        indptr, indices = tables[2], tables[4]
         shared = shared_prefix_tables([s.pages for s in batch.seqs], start // self.page_size, rows, group,
                                       self.num_kv_heads, self.page_size)
         if shared is None:
             return None
-        skip, nnz = shared.pop("skip"), int(indptr[-1])
-        row = np.repeat(np.arange(len(skip)), np.diff(indptr))
-        own = indices[:nnz][np.arange(nnz) - indptr[row] >= skip[row]]
-        tables[2] = np.concatenate([[0], np.cumsum(np.diff(indptr) - skip)]).astype(np.int32)
-        tables[4] = np.pad(own, (0, len(indices) - len(own)))
+        tables[2], tables[4] = own_table(tables[2], tables[4], shared.pop("skip"))
         n = len(shared["kv_indices"])
         shared["kv_indices"] = np.pad(shared["kv_indices"], (0, max(16, 1 << (n - 1).bit_length()) - n))
         return shared

@@ -37,6 +37,9 @@ _TILE_ROWS = 128  # query rows a CTA of paged_prefill's tile kernel takes
 _MAX_PARTS = 16
 
 
+TENSORS = ("perm", "inv_perm", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")  # SharedTables', in order
+
+
 @dataclass(frozen=True, eq=False)
 class SharedTables:
     """A decode step's shared-prefix pass (device tensors; see the module docstring): ``perm``, ``inv_perm`` int64
@@ -125,6 +128,16 @@ def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, g
     return dict(perm=perm, inv_perm=inv_perm, qo_indptr=qo, kv_indptr=kv_indptr,
                 kv_indices=pages[int(sharing[0])][:shared].astype(np.int32), kv_last_page_len=last, skip=skip,
                 parts=parts, sharing_rows=n, shared_pages=int(shared))
+
+
+def own_table(indptr: np.ndarray, indices: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A page table (int32 ``indptr`` [B + 1], ``indices``, padded or not) without each row's first ``skip`` pages: the
+    rows' own pages after the prefix the pass covers. ``indices`` keeps its length (padded with zeros)."""
+    nnz = int(indptr[-1])
+    row = np.repeat(np.arange(len(skip)), np.diff(indptr))
+    own = indices[:nnz][np.arange(nnz) - indptr[row] >= skip[row]]
+    own_indptr = np.concatenate([[0], np.cumsum(np.diff(indptr) - skip)]).astype(np.int32)
+    return own_indptr, np.pad(own, (0, len(indices) - len(own))).astype(np.int32)
 
 
 def merge_parts(out_parts: torch.Tensor, lse_parts: torch.Tensor, inv_perm: torch.Tensor, out_own: torch.Tensor,

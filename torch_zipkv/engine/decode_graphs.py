@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..shared_prefix import TENSORS as SHARED_TENSORS
 from ..shared_prefix import SharedTables
 
 
@@ -144,7 +145,7 @@ class DecodeGraphs:
         g.last[:b].copy_(step.kv_last_page_len)
         g.indices[:n].copy_(step.kv_indices)
         if sh is not None:
-            for name in ("perm", "inv_perm", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            for name in SHARED_TENSORS:
                 getattr(g.shared, name).copy_(getattr(sh, name))
         if bp > b:  # rows a larger batch used before are padded rows again
             g.page_ids[b:].copy_(g.pad_page_ids[b:])
