@@ -58,7 +58,7 @@ def test_tables_lay_the_pass_out_for_padded_rows():
     parts = t["parts"]
     assert parts == parts_for(8, GROUP, H) and t["sharing_rows"] == 2 and t["shared_pages"] == 8
     assert t["perm"].tolist() == [1, 2, 0, 3, 4, 5, 6, 7] and (t["perm"][t["inv_perm"]] == np.arange(8)).all()
-    assert t["kv_indices"].tolist() == a[:8].tolist() and t["skip"].tolist() == [0, 8, 8]
+    assert t["kv_indices"].tolist() == a[:8].tolist() + [0] * 8 and t["skip"].tolist() == [0, 8, 8]  # padded to 16
     qo, indptr = t["qo_indptr"], t["kv_indptr"]
     for p in range(parts):  # part p: the sharing rows over its run of the prefix, the others over nothing
         assert qo[2 * p: 2 * p + 3].tolist() == [8 * p, 8 * p + 2, 8 * p + 8]

@@ -21,6 +21,9 @@ How it is put together:
     compression, and the rounds that compress them without the host waiting for the device.
   - ``upload.py`` (:class:`~torch_zipkv.upload.Uploader`): host arrays to the device, one copy per call, pinned
     buffers reused, never waiting for the device.
+  - Stateless: ``cache_sizing.py`` (how a byte budget divides into chunks and meta rows, and :meth:`raw_sizing`),
+    ``cache_full.py`` (:class:`CacheFullError` and its descriptions), ``checks.py`` (argument checks),
+    ``shared_prefix.py`` (the shared-prefix pass of a decode step).
 - Open pages are raw slots that ``append_kv`` writes into. Full pages stay raw until ``compress_full_pages()``, called
   between decode steps (after the attention that read them), compresses them into packed chunks and frees the slots.
 - Sequences are charged their token budget at raw size when added (the arena's promises), so a sequence admitted by
@@ -37,7 +40,6 @@ How it is put together:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -47,7 +49,9 @@ import torch
 from . import format as fmt
 from . import ops
 from .arena import Arena
-from .checks import check_int, check_windows, is_int
+from .cache_full import CacheFullError, describe_free, describe_ids, opened_for
+from .cache_sizing import arena_sizing, raw_sizing
+from .checks import check_int, check_kv, check_layer, check_query, check_windows, is_int
 from .compression_rounds import CompressionRounds
 from .distributed import all_min, check_process_group
 from .page_pool import PagePool
@@ -59,22 +63,6 @@ from .upload import Uploader
 
 __all__ = ["CacheFullError", "Capacity", "CompressedPagedKVCache", "DecodeStep"]
 
-_CHUNK_BYTES = 4 << 20  # the largest default arena chunk
-# A default chunk is at most 1/_CHUNKS_PER_LAYER of a layer's share of the budget: a layer holds up to two partly
-# used chunks (a slot chunk and a packed one), so with 4 MiB chunks a small budget over many layers would spend most
-# of itself on that slack (256 MiB over 32 layers: 64 chunks, two a layer).
-_CHUNKS_PER_LAYER = 32
-
-
-class CacheFullError(RuntimeError):
-    """The cache cannot hold what was asked, and nothing was changed. ``requested`` and ``free`` count ``unit``, and
-    ``requested > free``, so a scheduler can act on them. Units: "pages per layer" (raw pages in every layer: an
-    admission, a decode step), "pages" (raw pages of the one layer an append names) or "page ids"."""
-
-    def __init__(self, message: str, *, requested: int, free: int, unit: str):
-        super().__init__(message)
-        self.requested, self.free, self.unit = requested, free, unit
-
 
 @dataclass(frozen=True)
 class Capacity:
@@ -83,11 +71,6 @@ class Capacity:
     pages: int  # new pages every layer can take
     tokens: int  # pages * page_size: tokens one new sequence could hold
     requests: int  # sequences of the asked prompt_len + max_new_tokens that add_sequence would admit now
-
-
-def _id_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int) -> int:
-    """Bytes of the meta rows of one page id, all layers."""
-    return num_layers * 2 * num_kv_heads * fmt.meta_words(page_size, head_dim) * 4
 
 
 class CompressedPagedKVCache:
@@ -171,22 +154,8 @@ class CompressedPagedKVCache:
             page_size
         self.device = device
         self.page_bytes = fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)  # one page of one layer, raw
-        if chunk_bytes is None:
-            chunk_bytes = min(_CHUNK_BYTES, max_bytes // (_CHUNKS_PER_LAYER * num_layers))
-        self.chunk_bytes = max(1, chunk_bytes // self.page_bytes) * self.page_bytes
-        id_bytes = _id_bytes(num_layers, num_kv_heads, head_dim, page_size)  # meta of one page id, all layers
-        if max_pages is None:  # ids enough for a full arena of all-compressed pages (3/4 of raw, the least)
-            per_byte = 1 / (num_layers * self.page_bytes * 3 / 4)
-            num_chunks = int(max_bytes / (1 + id_bytes * per_byte)) // self.chunk_bytes
-            max_pages = math.ceil(num_chunks * self.chunk_bytes * per_byte)
-        num_chunks = (max_bytes - max_pages * id_bytes) // self.chunk_bytes
-        if num_chunks < 1 or max_pages < 1:
-            raise ValueError(f"max_bytes = {max_bytes} holds no chunk of {self.chunk_bytes} bytes plus the meta of "
-                             f"{max_pages} pages ({id_bytes} bytes each)")
-        if num_chunks * self.chunk_bytes >= fmt.STREAM_ALIGN << 31:
-            raise ValueError("the arena would pass the format's 512 GiB offset limit")
-        if num_layers * max_pages >= 1 << 31:
-            raise ValueError(f"num_layers * max_pages = {num_layers * max_pages} meta rows: int32 row ids need < 2**31")
+        self.chunk_bytes, max_pages, num_chunks = arena_sizing(num_layers, num_kv_heads, head_dim, page_size,
+                                                               max_bytes, chunk_bytes, max_pages)
 
         self._upload = Uploader(device)
         self._store = PageStore(num_layers, num_kv_heads, head_dim, page_size, self.page_bytes, max_pages,
@@ -204,37 +173,7 @@ class CompressedPagedKVCache:
         self._window_tokens = np.array([w or 0 for w in windows], dtype=np.int64)[self._windowed]
         self._generation = StepGeneration(self)  # the decode steps prepared since the sequences or pages last changed
 
-    @staticmethod
-    def raw_sizing(num_layers: int, num_kv_heads: int, head_dim: int, *, batch_size: int, max_length: int,
-                   page_size: int = 16) -> dict[str, int]:
-        """The inverse of the constructor's sizing: ``max_bytes``, ``chunk_bytes`` and ``max_pages`` for a cache that
-        holds ``batch_size`` sequences of up to ``max_length`` tokens each, stored raw (so whatever compresses is
-        headroom)::
-
-            sizing = CompressedPagedKVCache.raw_sizing(32, 8, 128, batch_size=8, max_length=4096)
-            cache = CompressedPagedKVCache(32, 8, 128, **sizing)
-
-        The promise: ``batch_size`` sequences grow to ``max_length`` tokens each in every layer, stored raw (none
-        compressed), whether their budgets were promised by :meth:`add_sequence` or not. Not many more: on the new
-        cache ``capacity().pages`` is at least ``pages = batch_size * ceil(max_length / page_size)`` and at most
-        ``pages + batch_size`` (``max_pages`` keeps ``batch_size`` page ids spare). Beyond its pages, rounded up to
-        whole chunks, every layer has room for two more chunks (one partly used slot chunk and one packed chunk, once
-        pages compress). Chunks are the default 4 MiB (in whole pages), or a quarter of a layer's pages (rounded up)
-        if less."""
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("batch_size", batch_size),
-                            ("max_length", max_length)):
-            check_int(name, value, 1)
-        check_int("page_size", page_size)
-        check_int("head_dim", head_dim)
-        fmt.check_geometry(page_size, head_dim)
-        page_bytes = fmt.raw_page_bytes(page_size, num_kv_heads, head_dim)
-        pages = batch_size * -(-max_length // page_size)  # per layer
-        per_chunk = max(1, min(_CHUNK_BYTES // page_bytes, -(-pages // 4)))
-        num_chunks = num_layers * (-(-pages // per_chunk) + 2)
-        max_pages = pages + batch_size
-        return {"max_bytes": num_chunks * per_chunk * page_bytes
-                + max_pages * _id_bytes(num_layers, num_kv_heads, head_dim, page_size),
-                "chunk_bytes": per_chunk * page_bytes, "max_pages": max_pages}
+    raw_sizing = staticmethod(raw_sizing)  # the budget that holds a batch raw: torch_zipkv/cache_sizing.py
 
     # ---- sequences --------------------------------------------------------------------------------------------
     def add_sequence(self, prompt_len: int = 0, max_new_tokens: int = 0, *, prefix=()) -> int:
@@ -257,11 +196,12 @@ class CompressedPagedKVCache:
             what = f"add_sequence: a budget of {prompt_len + max_new_tokens} tokens needs {private}"
             if len(prefix):
                 what += f" (beyond a cached prefix of {len(prefix)} pages)"
+            state = self._pool, self._arena, self.process_group
             if ids < pages:
-                raise CacheFullError(f"{what} page ids, but only {ids} are free ({self._describe_ids()})",
+                raise CacheFullError(f"{what} page ids, but only {ids} are free ({describe_ids(*state)})",
                                      requested=private, free=ids, unit="page ids")
             raise CacheFullError(f"{what} raw pages in every layer, but only {pages} can be promised now "
-                                 f"({self._describe_free()})", requested=private, free=pages, unit="pages per layer")
+                                 f"({describe_free(*state)})", requested=private, free=pages, unit="pages per layer")
         self._evict_for(private, prefix)
         self._arena.reserved += private
         seq_id = self._pool.add(budget, prefix)
@@ -339,7 +279,7 @@ class CompressedPagedKVCache:
 
     def seq_len(self, layer: int, seq_id: int) -> int:
         """Tokens appended to ``seq_id`` in ``layer``."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         return int(self._pool.len[self._seq(seq_id).row, layer])
 
     # ---- append and decode --------------------------------------------------------------------------------------
@@ -349,8 +289,8 @@ class CompressedPagedKVCache:
         ``seq_ids`` is one id (all n tokens go to that sequence, e.g. a prefill chunk) or n distinct ids (one token
         each, e.g. a decode step). New pages open raw; raises CacheFullError, changing nothing, if they don't fit.
         """
-        self._check_layer(layer)
-        n = self._check_tokens(k, v)
+        check_layer(layer, self.num_layers)
+        n = check_kv(k, v, self.num_kv_heads, self.head_dim, self.device)
         single = is_int(seq_ids)
         batch = self._layouts.batch(seq_ids)
         if not single and len(batch.seqs) != n:
@@ -374,7 +314,7 @@ class CompressedPagedKVCache:
     def page_table(self, layer: int, seq_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """FlashInfer page table of ``seq_ids`` in ``layer``: int32 ``kv_indptr [B+1]``, ``kv_indices [nnz]``,
         ``kv_last_page_len [B]`` (0 for a sequence with no tokens in the layer), on the cache's device."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         batch = self._layouts.batch(seq_ids)
         return self._layouts.page_table(batch, self._pool.len[batch.rows, layer])
 
@@ -384,15 +324,7 @@ class CompressedPagedKVCache:
         """Decode attention of ``q`` (bf16 [B, num_qo_heads, head_dim], one query per sequence) over the tokens of
         ``seq_ids`` in ``layer`` (its last ``sliding_window`` tokens for a sliding-window layer); see
         :func:`torch_zipkv.ops.paged_decode`."""
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        if q.dtype != torch.bfloat16:
-            raise TypeError(f"q must be bfloat16, got {q.dtype}")
-        if q.dim() != 3 or q.shape[2] != self.head_dim or q.shape[1] % self.num_kv_heads:
-            raise ValueError(f"q must be bf16 [batch, k * {self.num_kv_heads}, {self.head_dim}], got "
-                             f"{tuple(q.shape)}")
-        if q.device != self.device:
-            raise ValueError(f"q must be on {self.device}, got {q.device}")
+        check_query(q, self.num_kv_heads, self.head_dim, self.device, "batch")
         indptr, indices, last = self.page_table(layer, seq_ids)
         if q.shape[0] != len(indptr) - 1:
             raise ValueError(f"q has {q.shape[0]} rows for {len(indptr) - 1} sequences")
@@ -407,14 +339,7 @@ class CompressedPagedKVCache:
         in ``layer`` (appended before the call), over that sequence's pages as they are stored, compressed or raw
         (the layer's sliding window applied; nothing is decompressed into scratch); see
         :func:`torch_zipkv.ops.paged_prefill`. Returns bf16 [n, num_qo_heads, head_dim]."""
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        if q.dtype != torch.bfloat16:
-            raise TypeError(f"q must be bfloat16, got {q.dtype}")
-        if q.dim() != 3 or q.shape[2] != self.head_dim or q.shape[1] % self.num_kv_heads:
-            raise ValueError(f"q must be bf16 [n, k * {self.num_kv_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        if q.device != self.device:
-            raise ValueError(f"q must be on {self.device}, got {q.device}")
+        check_query(q, self.num_kv_heads, self.head_dim, self.device, "n")
         n = q.shape[0]
         if n > self.seq_len(layer, seq_id):
             raise ValueError(f"q has {n} query tokens but sequence {seq_id} holds {self.seq_len(layer, seq_id)} in "
@@ -460,7 +385,10 @@ class CompressedPagedKVCache:
         tables = self._layouts.step_tables(batch, start)
         shared = None
         if shared_prefix and all(w is None for w in self.sliding_window):
-            shared = self._shared_pass(batch, start, tables, shared_prefix, rows)
+            shared = shared_prefix_tables([s.pages for s in batch.seqs], start // self.page_size, rows,
+                                          shared_prefix, self.num_kv_heads, self.page_size)
+        if shared is not None:  # the step's page table: each row's pages after the prefix the pass covers
+            tables[2], tables[4] = own_table(tables[2], tables[4], shared.pop("skip"))
         extra = [] if shared is None else [shared[k] for k in SHARED_TENSORS]
         # The step's one host-to-device copy, the step's tensors first (see TokenLayouts.step_tables).
         page_ids, slots, indptr, last, indices, *rest = self._upload(*tables, *extra, *writes)
@@ -472,18 +400,6 @@ class CompressedPagedKVCache:
             shared = SharedTables(*rest[: len(extra)], parts=shared["parts"], rows=rows,
                                   sharing_rows=shared["sharing_rows"], shared_pages=shared["shared_pages"])
         return DecodeStep(page_ids, slots, indptr, indices, last, self._generation, shared)
-
-    def _shared_pass(self, batch: Batch, start: np.ndarray, tables: list, group: int, rows: int) -> dict | None:
-        """The shared-prefix pass of a step (:func:`~torch_zipkv.shared_prefix.shared_prefix_tables`), or None; if one,
-        ``tables``' page table (kv_indptr, kv_indices) becomes each row's pages after the prefix, in place."""
-        shared = shared_prefix_tables([s.pages for s in batch.seqs], start // self.page_size, rows, group,
-                                      self.num_kv_heads, self.page_size)
-        if shared is None:
-            return None
-        tables[2], tables[4] = own_table(tables[2], tables[4], shared.pop("skip"))
-        n = len(shared["kv_indices"])
-        shared["kv_indices"] = np.pad(shared["kv_indices"], (0, max(16, 1 << (n - 1).bit_length()) - n))
-        return shared
 
     def check_step(self, step, fn: str = "check_step") -> None:
         """TypeError unless ``step`` is a DecodeStep; ValueError if another cache prepared it (its page ids and slots
@@ -549,7 +465,7 @@ class CompressedPagedKVCache:
         """The tokens of ``seq_id`` in ``layer`` as bf16 ``k, v`` [tokens, num_kv_heads, head_dim], bit-identical
         to what was appended (for debugging, offload and tests). A sliding-window layer returns the tokens it still
         keeps: the last ones, from the first page not yet freed (:meth:`kept_from`)."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         seq = self._seq(seq_id)
         length, first = int(self._pool.len[seq.row, layer]), int(self._pool.dropped[seq.row, layer])
         n = -(-length // self.page_size) - first
@@ -561,13 +477,13 @@ class CompressedPagedKVCache:
 
     def kept_from(self, layer: int, seq_id: int) -> int:
         """The first token of ``seq_id`` that ``layer`` still stores (0 unless its sliding window freed pages)."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         return int(self._pool.dropped[self._seq(seq_id).row, layer]) * self.page_size
 
     def meta(self, layer: int) -> torch.Tensor:
         """Meta rows of ``layer``: int32 [max_pages, 2, num_kv_heads, W], for ops on ``data``."""
         if type(layer) is not int or not 0 <= layer < self.num_layers:  # one test on a decode step's path
-            self._check_layer(layer)
+            check_layer(layer, self.num_layers)
         return self._store.meta_views[layer]
 
     # ---- maintenance between steps ------------------------------------------------------------------------------
@@ -699,31 +615,6 @@ class CompressedPagedKVCache:
         """The least of each value over the process group's ranks (see ``process_group``): a collective."""
         return all_min(values, self.process_group, self.device)
 
-    def _describe_ids(self) -> str:
-        pool = self._pool
-        return (f"{len(pool.free_ids)} of {len(self._arena.offset[0])} page ids free, {pool.reserved_ids} of them "
-                f"promised to {len(pool.seqs)} running sequences{self._evictable()}{self._on_this_rank()}")
-
-    def _describe_free(self) -> str:
-        a = self._arena
-        return (f"{len(a.pool)} of {a.num_chunks} chunks free, {a.free_slot_count.sum()} free slots, "
-                f"{a.reserved.sum()} pages promised to {len(self._pool.seqs)} running sequences{self._evictable()}"
-                f"{self._on_this_rank()}")
-
-    def _evictable(self) -> str:
-        n = len(self._pool.evictable)
-        return f", {n} evictable cached pages counted as room" if n else ""
-
-    def _on_this_rank(self) -> str:
-        """What a CacheFullError's description adds under a process group: its figures are this rank's own, the
-        refusal is the group's."""
-        if self.process_group is None:
-            return ""
-        import torch.distributed as dist
-
-        return (f", on rank {dist.get_rank(self.process_group)} of {dist.get_world_size(self.process_group)}; "
-                "every rank refuses what one rank cannot fit")
-
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _open_pages(self, layers: slice, batch: Batch, layout: AppendLayout) -> list[np.ndarray]:
         """Give the layout's new pages ids (first layer to reach them) and raw slots in each of ``layers`` (all of
@@ -744,10 +635,11 @@ class CompressedPagedKVCache:
         if self.process_group is not None and (beyond or ids_beyond):
             ids_fit, fits = self._agree([int(not ids_short), int(fits)])
             ids_short = not ids_fit
+        state = self._pool, self._arena, self.process_group
         if need_ids and ids_short:
             free = self._room()[1]
-            raise CacheFullError(f"{self._what(layers, batch)} needs {ids_beyond} page ids beyond the sequences' "
-                                 f"budgets, but only {free} are free ({self._describe_ids()})",
+            raise CacheFullError(f"{opened_for(layers, batch)} needs {ids_beyond} page ids beyond the sequences' "
+                                 f"budgets, but only {free} are free ({describe_ids(*state)})",
                                  requested=ids_beyond, free=free, unit="page ids")
         if not fits:
             if layers == slice(None):  # a decode step: every layer takes them
@@ -756,43 +648,12 @@ class CompressedPagedKVCache:
                 free, where, unit = self._arena.spare_pages(layers.start), "", "pages"
                 if self.process_group is not None:
                     free = self._agree([free])[0]
-            raise CacheFullError(f"{self._what(layers, batch)} needs {len(new)} new raw pages{where}, {beyond} of "
+            raise CacheFullError(f"{opened_for(layers, batch)} needs {len(new)} new raw pages{where}, {beyond} of "
                                  f"them beyond the sequences' budgets, but only {free} can be taken{where} without "
-                                 f"breaking promises ({self._describe_free()})", requested=beyond, free=free, unit=unit)
+                                 f"breaking promises ({describe_free(*state)})", requested=beyond, free=free, unit=unit)
         self._pool.give_ids(need_ids)
         pids = np.array([s.pages[j] for s, j in new], dtype=np.int32)
         self._arena.reserved[layers] -= len(new) - beyond
         slots = self._arena.place_raw(layers, pids)  # [layers, pages]
         rows = self._store.rows(self._all_layers[layers, None], pids).ravel()
         return [rows, self._store.open_rows(slots), self._arena.take_dirty()]
-
-    @staticmethod
-    def _what(layers: slice, batch: Batch) -> str:
-        """What :meth:`_open_pages` opens pages for, in its errors."""
-        if layers == slice(None):
-            return f"prepare_step: a decode step of sequences {list(batch.key)}"
-        return f"append to layer {layers.start}:"
-
-    def _check_layer(self, layer) -> None:
-        if not is_int(layer):
-            raise TypeError(f"layer must be an int in [0, {self.num_layers}), got {type(layer).__name__} {layer!r}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-
-    def _check_tokens(self, k, v) -> int:
-        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == v.dtype == torch.bfloat16
-                and k.shape == v.shape and k.dim() == 3 and k.shape[1] == self.num_kv_heads
-                and k.shape[2] == self.head_dim and k.device == v.device == self.device):
-            return k.shape[0]  # the decode-step path: one test, then the detailed messages below only on error
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != torch.bfloat16:
-                raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
-            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_dim):
-                raise ValueError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {tuple(t.shape)}")
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        return k.shape[0]

@@ -100,8 +100,9 @@ def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, g
                          page_size: int) -> dict | None:
     """The shared-prefix pass of a decode step of ``len(pages)`` rows laid out for ``rows`` >= that (a CUDA Graph's
     bucket: the padded rows join the non-sharing ones), or None when no group qualifies (:func:`find_group`).
-    Returns the host arrays ``perm``, ``inv_perm`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
-    ``kv_last_page_len`` (int32), ``skip`` (int64 [len(pages)]: the leading pages of each row the pass covers), and
+    Returns the host arrays ``perm``, ``inv_perm`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices`` (padded
+    with zeros to a power of two >= 16, so CUDA Graph buffers come in a few sizes), ``kv_last_page_len`` (int32),
+    ``skip`` (int64 [len(pages)]: the leading pages of each row the pass covers), and
     the ints ``parts``, ``sharing_rows``, ``shared_pages``."""
     found = find_group(pages, full)
     if found is None:
@@ -125,8 +126,10 @@ def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, g
     last[0::2] = np.where(np.diff(cuts) > 0, page_size, 0)
     skip = np.zeros(batch, dtype=np.int64)
     skip[sharing] = shared
-    return dict(perm=perm, inv_perm=inv_perm, qo_indptr=qo, kv_indptr=kv_indptr,
-                kv_indices=pages[int(sharing[0])][:shared].astype(np.int32), kv_last_page_len=last, skip=skip,
+    indices = np.zeros(max(16, 1 << (int(shared) - 1).bit_length()), dtype=np.int32)
+    indices[:shared] = pages[int(sharing[0])][:shared]
+    return dict(perm=perm, inv_perm=inv_perm, qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=indices,
+                kv_last_page_len=last, skip=skip,
                 parts=parts, sharing_rows=n, shared_pages=int(shared))
 
 
