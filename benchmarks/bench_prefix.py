@@ -77,6 +77,75 @@ def load_of(spec: dict, n: int, seed: int):
             chat_follow_up(s["turns"], s["message_len"], vocab, seed), n * s["turns"])
 
 
+class StepTrace:
+    """Per-step records of an engine's load, to tell where a step's time goes: the host's wall time of each
+    ``step()`` call, the part of it spent waiting for the device (``read_back``: the step before's tokens), the decode
+    rows and prefill tokens it launched, whether it started a compression round or ran the shared-prefix pass, and on
+    CUDA the device's time from this step's first launch to the next step's (an event at each step's start: the GPU's
+    timeline per step, idle gaps included)."""
+
+    def __init__(self, engine):
+        self.engine, self.rows = engine, []
+        runner = engine.runner
+        self._decode, self._prefill, self._read_back = runner.decode, runner.prefill, runner.read_back
+        runner.decode, runner.prefill, runner.read_back = self._traced_decode, self._traced_prefill, self._traced_rb
+        self._step = engine.step
+        engine.step = self._traced_step
+        self._cur = None
+        self._cuda = engine.device.type == "cuda"
+
+    def _traced_decode(self, batch):
+        self._cur["decode_rows"] = len(batch)
+        return self._decode(batch)
+
+    def _traced_prefill(self, req, start, n):
+        self._cur["prefill_tokens"] += n
+        return self._prefill(req, start, n)
+
+    def _traced_rb(self, in_flight):
+        t = time.perf_counter()
+        out = self._read_back(in_flight)
+        self._cur["wait_ms"] += (time.perf_counter() - t) * 1e3
+        return out
+
+    def _traced_step(self):
+        e = self.engine
+        self._cur = {"decode_rows": 0, "prefill_tokens": 0, "wait_ms": 0.0,
+                     "compress_round": bool(e.compress and (e._steps + 1) % e.compress_every == 0)}
+        shared = e.runner.shared_steps
+        if self._cuda:
+            self._cur["event"] = torch.cuda.Event(enable_timing=True)
+            self._cur["event"].record()
+        t = time.perf_counter()
+        outs = self._step()
+        self._cur["wall_ms"] = (time.perf_counter() - t) * 1e3
+        self._cur["shared_pass"] = e.runner.shared_steps > shared
+        self.rows.append(self._cur)
+        return outs
+
+    def summary(self) -> dict:
+        """The records as columns (``gpu_ms``: to the next step's start; the last step's is None), and means of
+        wall, wait and device time over the steps that decoded, split by whether they also prefilled."""
+        if self._cuda and self.rows:
+            torch.cuda.synchronize()
+            events = [r.pop("event") for r in self.rows]
+            for r, a, b in zip(self.rows, events, events[1:] + [None]):
+                r["gpu_ms"] = a.elapsed_time(b) if b is not None else None
+        cols = {k: [r.get(k) for r in self.rows] for k in
+                ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens", "compress_round", "shared_pass")}
+
+        def mean(rows, key):
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        groups = {"decode_only": [r for r in self.rows if r["decode_rows"] and not r["prefill_tokens"]],
+                  "decode_and_prefill": [r for r in self.rows if r["decode_rows"] and r["prefill_tokens"]]}
+        means = {g: {"steps": len(rows), **{k: mean(rows, k) for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows",
+                                                                         "prefill_tokens")}}
+                 for g, rows in groups.items()}
+        return {"columns": cols, "means": means}
+
+
 def run_job(spec: dict, report: dict) -> None:
     from torch_zipkv.engine import Engine
     from torch_zipkv.serve import serve
@@ -96,8 +165,26 @@ def run_job(spec: dict, report: dict) -> None:
     compiles = _dynamo_graphs()
     load, follow_up, total = load_of(spec, spec["sizes"]["requests" if spec["workload"] == "shared" else
                                                     "conversations"], seed=0)
+    trace = StepTrace(engine)
+    profile_to = os.environ.get("ZIPKV_PROFILE_JOB")  # a folder: the load's host profile (cProfile), per job
+    if profile_to:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
     summary = serve(engine, load, total=total, progress=False, follow_up=follow_up)
+    if profile_to:
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(30)
+        name = f"profile_{spec['workload']}_{spec['system'].replace('+', '_')}.txt"
+        pathlib.Path(profile_to, name).write_text(text.getvalue())
     after = engine.stats()
+    report["step_trace"] = trace.summary()
     found, prefilled = (after[k] - before[k] for k in ("prefix_cached_tokens", "prefilled_tokens"))
     report.update(
         requests=summary["requests"], elapsed_s=summary["elapsed_s"],
@@ -289,6 +376,10 @@ def main() -> None:
               (job["error"] if "error" in job else
                f"TTFT p50 {job['ttft_s']['p50']:.3f} s, {job['output_tokens_per_s']:.0f} tok/s, "
                f"{job['largest_batch']} at once, hit rate {job['prefix_hit_rate']:.3f}"), flush=True)
+        for group, m in job.get("step_trace", {}).get("means", {}).items():
+            print(f"    {group}: {m['steps']} steps, " + ", ".join(
+                f"{k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens")
+                if m[k] is not None), flush=True)
     result["bars"] = bars({(j["workload"], j["system"]): j for j in result["jobs"] if "error" not in j})
     result["wall_s"] = time.perf_counter() - start
     print("\n" + markdown(result))

@@ -66,6 +66,78 @@ def shared_pass(pages: list, shape: dict, device="cuda"):
     return tables, (*own_dev, torch.full((len(pages),), PAGE, dtype=torch.int32, device=device))
 
 
+def pass_parts(q, ckv, tables, own, scale) -> dict:
+    """The shared-prefix pass whole (``all``) and its three parts as callables on fixed buffers: ``prefix`` (the
+    prefix's paged_prefill over every sharing row), ``own`` (paged_decode over each row's own pages) and ``merge``."""
+    from torch_zipkv.shared_prefix import merge_parts
+
+    rows, heads = q.shape[0], q.shape[1]
+    q_parts = q.index_select(0, tables.perm).repeat(tables.parts, 1, 1)
+    lse_p = torch.empty(tables.parts * rows, heads, dtype=torch.float32, device=q.device)
+    out_p = torch.empty_like(q_parts)
+    lse_o = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
+    out_o = torch.empty_like(q)
+
+    def prefix():
+        torch_zipkv.ops.paged_prefill(q_parts, tables.qo_indptr, ckv.data, ckv.meta, tables.kv_indptr,
+                                      tables.kv_indices, tables.kv_last_page_len, PAGE, causal=False, sm_scale=scale,
+                                      lse=lse_p, out=out_p)
+
+    def own_pages():
+        torch_zipkv.ops.paged_decode(q, ckv.data, ckv.meta, *own, PAGE, sm_scale=scale, lse=lse_o, out=out_o)
+
+    def merge():
+        merge_parts(out_p.view(tables.parts, rows, *q.shape[1:]), lse_p.view(tables.parts, rows, heads),
+                    tables.inv_perm, out_o, lse_o)
+
+    # A candidate for the prefix pass: rebuild the prefix's pages once into BF16 scratch (one layer's worth), then
+    # torch's flash attention over it with every sharing row's heads as one query block per kv head.
+    n, hkv = tables.sharing_rows, ckv.meta.shape[2]
+    group = heads // hkv
+    pids = tables.kv_indices[: tables.shared_pages]
+    scratch = torch.empty(tables.shared_pages, 2, PAGE, hkv, q.shape[2], dtype=torch.bfloat16, device=q.device)
+    kv_len = tables.shared_pages * PAGE
+
+    def decompress():
+        torch_zipkv.ops.decompress_pages(ckv.data, ckv.meta, pids, PAGE, q.shape[2], out=scratch)
+
+    def flash():
+        qs = q.index_select(0, tables.perm[:n]).view(n, hkv, group, -1).permute(1, 0, 2, 3)
+        qs = qs.reshape(1, hkv, n * group, -1)
+        k = scratch[:, 0].reshape(kv_len, hkv, -1).permute(1, 0, 2)[None]
+        v = scratch[:, 1].reshape(kv_len, hkv, -1).permute(1, 0, 2)[None]
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qs, k, v, scale=scale)[:2]
+        return o, lse
+
+    def flash_all():
+        decompress()
+        o, lse = flash()
+        own_pages()
+        o = o[0].view(hkv, n, group, -1).permute(1, 0, 2, 3).reshape(n, heads, -1)
+        lse = lse[0].view(hkv, n, group).permute(1, 0, 2).reshape(n, heads)
+        out_f = torch.zeros_like(q)
+        lse_f = torch.full((rows, heads), float("-inf"), device=q.device)
+        out_f[:n], lse_f[:n] = o, lse
+        return merge_parts(out_f[None], lse_f[None], tables.inv_perm, out_o, lse_o)
+
+    return {"all": lambda: attend_shared(q, ckv.data, ckv.meta, PAGE, tables, *own, sm_scale=scale),
+            "prefix": prefix, "own": own_pages, "merge": merge, "flash_all": flash_all,
+            "flash_decompress": decompress, "flash_attn": flash}
+
+
+def graphed(fn):
+    """fn captured in a CUDA Graph (after a warm-up on a side stream): its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams, flush, gen) -> dict:
     Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
     q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).cuda()
@@ -96,6 +168,16 @@ def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams
                 outs[cname] = fns[cname]()
                 info[cname]["rel_diff_vs_one_call"] = float(((outs[cname].double() - outs[name].double()).norm()
                                                              / outs[name].double().norm()))
+                # As the engine runs it, in a CUDA Graph (no launch gaps), whole and by part: the prefix pass, the
+                # own pages' decode, and the merge (the eager variant above pays ~15 launches from Python).
+                parts = pass_parts(q, ckv, tables, own_table, scale)
+                flash_out = parts["flash_all"]()
+                info[cname]["flash_rel_diff_vs_one_call"] = float(((flash_out.double() - outs[name].double()).norm()
+                                                                   / outs[name].double().norm()))
+                for part, fn in parts.items():
+                    gname = f"{cname}_graph" if part == "all" else f"{cname}_graph_{part}"
+                    fns[gname] = graphed(fn)
+                    info[gname] = {**info[cname]}
     times = bd.time_round_robin(fns, iters, flush)
     results = {}
     for name, ts in times.items():
@@ -135,6 +217,10 @@ def main() -> None:
               f"{r['shared_raw_once']['us']:8.1f} µs {r['shared_compressed_once']['speedup_vs_raw']:6.3f} | "
               f"{r['unshared_compressed']['us']:10.1f} µs "
               f"{r['unshared_raw']['us']:9.1f} µs {r['unshared_compressed']['speedup_vs_raw']:6.3f}", flush=True)
+        for kind in ("compressed", "raw"):
+            pre = f"shared_{kind}_once_graph"
+            print(f"      {kind} pass in a CUDA Graph, µs: " + ", ".join(
+                f"{k[len(pre) + 1:] or 'all'} {v['us']:.1f}" for k, v in r.items() if k.startswith(pre)), flush=True)
         torch.cuda.empty_cache()
     result = {"benchmark": "bench_shared_decode", "command": "python " + " ".join(sys.argv),
               "commit": os.environ.get("ZIPKV_COMMIT"), "device": torch.cuda.get_device_name(),

@@ -85,6 +85,36 @@ def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile, monkeypat
             ref.check(o[-1].prompt_token_ids, o[-1].token_ids, ulps=COMPILED_ULPS if compile else 1)
 
 
+def test_compiled_shared_prefix_pass_never_recompiles(llama, monkeypatch):
+    """The compiled decode step serves shared-prefix passes of every part count without recompiling: requests over
+    one cached prefix arrive a step apart, so the batch crosses buckets whose passes split the prefix into 4 and 2
+    parts (a part count that specialized the graph cost a recompile, 25-55 s on the H200 box's 8B model, in the middle
+    of serving). Once a plain and a shared step have compiled, a recompile raises; the tokens are transformers'."""
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_PAGES", 1)
+    monkeypatch.setattr(shared_prefix, "_TILE_ROWS", 4)  # 2 kv heads, group 2: buckets 2, 4 -> 4, 2 parts
+    monkeypatch.setattr(shared_prefix, "_TARGET_CTAS", 8)
+    model, ref = llama
+    prefix = prompts_of(random.Random(11), [100])[0]
+    tails = prompts_of(random.Random(12), [3 + i for i in range(7)])
+    prompts = [prefix + t for t in tails]
+    eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=512, compile=True)
+    ids, finals, step = [], {}, 0
+    while len(ids) < len(prompts) or eng.has_unfinished():
+        if len(ids) < len(prompts) and (step == 0 or step >= 3):
+            ids.append(eng.add_request(prompts[len(ids)], SamplingParams(max_new_tokens=24)))
+        kinds = {shared is not None for _, _, shared in eng.runner.graphs.buffers}
+        with torch._dynamo.config.patch(error_on_recompile=kinds == {True, False}):
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+        step += 1
+        assert step < 500
+    parts = {shared[0] for _, _, shared in eng.runner.graphs.buffers if shared is not None}
+    assert {4, 2} <= parts and min(parts) >= 2, sorted(eng.runner.graphs.buffers)
+    for rid, prompt in zip(ids, prompts):
+        ref.check(prompt, finals[rid], ulps=COMPILED_ULPS)
+
+
 def test_cached_pages_hold_the_bits_of_a_fresh_prefill(llama):
     """With 16-token prefill chunks (one page each) a request that starts from another's cached pages runs the same
     chunk forwards as the request alone: every layer's K/V, shared pages and its own, are bit-identical to those of

@@ -61,9 +61,10 @@ class SharedTables:
 
 def parts_for(rows: int, group: int, num_kv_heads: int) -> int:
     """How many runs the prefix is split into for ``rows`` query rows of ``group`` heads per kv head: a power of two
-    that makes about _TARGET_CTAS CTAs of the tile kernel, from shapes alone."""
+    that makes about _TARGET_CTAS CTAs of the tile kernel, from shapes alone; at least 2, since a compiled step
+    reads the count off a shape that dynamo specializes at 1 (one part would recompile the step)."""
     ctas = max(1, math.ceil(rows * group / _TILE_ROWS)) * num_kv_heads
-    return min(_MAX_PARTS, 1 << max(0, math.ceil(math.log2(max(1.0, _TARGET_CTAS / ctas)))))
+    return min(_MAX_PARTS, 1 << max(1, math.ceil(math.log2(max(1.0, _TARGET_CTAS / ctas)))))
 
 
 def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -166,8 +167,12 @@ def attend_shared(q: torch.Tensor, data: torch.Tensor, meta: torch.Tensor, page_
     ``kv_*`` of B <= rows rows, after the prefix for a sharing row) by ``paged_decode``, merged. Returns bf16
     [B, Hq, D]."""
     rows, heads = q.shape[0], q.shape[1]
-    q_parts = q.index_select(0, shared.perm).repeat(shared.parts, 1, 1)
-    lse_parts = torch.empty(shared.parts * rows, heads, dtype=torch.float32, device=q.device)
+    # The part count read off a table's shape, not the int: a compiled step whose buffers mark that shape dynamic
+    # then serves every part count without recompiling (an int would specialize the graph: a recompile, tens of
+    # seconds, in the middle of serving, whenever the batch crosses a size where the count changes).
+    parts = shared.kv_last_page_len.shape[0] // 2
+    q_parts = q.index_select(0, shared.perm).repeat(parts, 1, 1)
+    lse_parts = torch.empty(parts * rows, heads, dtype=torch.float32, device=q.device)
     out_parts = ops.paged_prefill(q_parts, shared.qo_indptr, data, meta, shared.kv_indptr, shared.kv_indices,
                                   shared.kv_last_page_len, page_size, causal=False, sm_scale=sm_scale, lse=lse_parts,
                                   logits_soft_cap=logits_soft_cap)
@@ -175,5 +180,5 @@ def attend_shared(q: torch.Tensor, data: torch.Tensor, meta: torch.Tensor, page_
     lse_own = torch.empty(own, heads, dtype=torch.float32, device=q.device)
     out_own = ops.paged_decode(q[:own], data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size,
                                sm_scale=sm_scale, lse=lse_own, logits_soft_cap=logits_soft_cap)
-    return merge_parts(out_parts.view(shared.parts, rows, *q.shape[1:]), lse_parts.view(shared.parts, rows, heads),
+    return merge_parts(out_parts.view(parts, rows, *q.shape[1:]), lse_parts.view(parts, rows, heads),
                        shared.inv_perm, out_own, lse_own)

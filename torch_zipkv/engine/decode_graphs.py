@@ -70,9 +70,9 @@ class _Buffers:
             self.shared = SharedTables(perm, perm.clone(), qo, torch.zeros(2 * parts + 1, **i32), torch.zeros(n, **i32),
                                        torch.zeros(2 * parts, **i32), parts=parts, rows=batch, sharing_rows=0,
                                        shared_pages=0)
-            if dynamic:  # one compilation for every bucket (the parts, a power of two, specialize)
-                for t in (self.shared.perm, self.shared.inv_perm, self.shared.kv_indices):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            if dynamic:  # one compilation for every bucket and part count (attend_shared reads it off a shape)
+                for name in SHARED_TENSORS:
+                    torch._dynamo.maybe_mark_dynamic(getattr(self.shared, name), 0)
         self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last, self.shared)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
