@@ -31,7 +31,9 @@ each row reports the mean KV ratio it ran at, so the bar can be read against rea
 
 Each job warms up first with a few requests of the workload's shape (CUDA Graph capture for the small buckets,
 allocations), not counted: the figures are the main load's alone (hit counts are the difference of the engine's
-totals). Writes bench_prefix.json, bench_prefix.md and bench_prefix.png (if matplotlib is there) into --out.
+totals). Each job also records a per-step trace of its load (``step_trace``: see ``StepTrace``), and with
+``ZIPKV_PROFILE_JOB=DIR`` a cProfile of the load's host time into DIR. Writes bench_prefix.json, bench_prefix.md and
+bench_prefix.png (if matplotlib is there) into --out.
 """
 
 from __future__ import annotations

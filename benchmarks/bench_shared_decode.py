@@ -11,8 +11,10 @@ buys. This measures the decode kernel alone on that page table. Llama-3.1-8B att
 pages (every 16 x 64 stream from SmolLM2's real cache: $ZIPKV_REAL_KV or the model package), private pages in random
 order; L2 flushed before every timed call, variants round-robin, medians (bench_decode.py's time_round_robin).
 Also the engine's decode with prefix caching on the shared layout (``shared_*_once``: torch_zipkv.shared_prefix, the
-shared pages attended once for every row, then each row's own pages, merged). Writes bench_shared_decode.json into
---out.
+shared pages attended once for every row, then each row's own pages, merged), eager and, as the engine runs it, in a
+CUDA Graph (``shared_*_once_graph``), whole and by part (``_prefix``, ``_own``, ``_merge``), beside a candidate for
+the prefix pass (``_flash_*``: the prefix's pages rebuilt into BF16 scratch, then torch's flash attention). Writes
+bench_shared_decode.json into --out.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams
     Hq, Hkv, D = shape["Hq"], shape["Hkv"], shape["D"]
     q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16).cuda()
     row = {"shape": shape["name"], "batch": batch, "shared_tokens": shared, "own_tokens": own}
-    fns, info = {}, {}
+    fns, graph_fns, info = {}, {}, {}
     scale = 1 / math.sqrt(D)
     outs = {}
     for layout, sh in (("shared", shared), ("unshared", 0)):
@@ -169,16 +171,21 @@ def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams
                 info[cname]["rel_diff_vs_one_call"] = float(((outs[cname].double() - outs[name].double()).norm()
                                                              / outs[name].double().norm()))
                 # As the engine runs it, in a CUDA Graph (no launch gaps), whole and by part: the prefix pass, the
-                # own pages' decode, and the merge (the eager variant above pays ~15 launches from Python).
+                # own pages' decode, and the merge (the eager variant above pays ~15 launches from Python). Captured
+                # and timed after the variants above (a run that captured them first timed the unshared rows wrong).
                 parts = pass_parts(q, ckv, tables, own_table, scale)
                 flash_out = parts["flash_all"]()
                 info[cname]["flash_rel_diff_vs_one_call"] = float(((flash_out.double() - outs[name].double()).norm()
                                                                    / outs[name].double().norm()))
                 for part, fn in parts.items():
                     gname = f"{cname}_graph" if part == "all" else f"{cname}_graph_{part}"
-                    fns[gname] = graphed(fn)
+                    graph_fns[gname] = fn
                     info[gname] = {**info[cname]}
+    for layout in ("shared", "unshared"):  # the same values stored two ways: the kernels must agree
+        a, b = outs[f"{layout}_compressed"].double(), outs[f"{layout}_raw"].double()
+        info[f"{layout}_compressed"]["rel_diff_vs_raw"] = float((a - b).norm() / b.norm())
     times = bd.time_round_robin(fns, iters, flush)
+    times.update(bd.time_round_robin({k: graphed(fn) for k, fn in graph_fns.items()}, iters, flush))
     results = {}
     for name, ts in times.items():
         us = statistics.median(ts)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU box, 2026-12-06: four calls asked for nvidia-h200 and each ran on an H100 80GB HBM3 (torch 2.11.0+cu130,
+# transformers 5.17). Each ran one script below as .box/runN.sh with carry [".box"] (box.sh and the FlashInfer wheels
+# from ../shared, .box/data/real_kv.pt from `python benchmarks/dump_real_kv.py --out .box/data/real_kv.pt`).
+#   call 1 (cdba895): COMMIT=cdba895 bash run1.sh  -> test_gpu.log (317 passed, 1 skipped: the shared-prefix pass
+#                     under the compiled, graphed step and not-causal paged_prefill ran on a GPU for the first time),
+#                     bench_shared_decode_eager.json
+#   call 2 (cdba895 + the benchmark changes of e1e7e7f): run2.sh -> bench_shared_decode_graph_parts.json (its note:
+#                     the unshared rows are not valid), bench_prefix_recompile_stall.json (the 55 s step)
+#   call 3 (the same + ZIPKV_PROFILE_JOB): run3.sh -> profile_shared_zipkv_cache.txt, profile_shared_raw_cache.txt
+#                     (cProfile of each job's load: the compressed job's time is dynamo and inductor recompiling)
+#   call 4 (e1e7e7f): COMMIT=e1e7e7f bash run4.sh -> ../bench_prefix_h100.json/.md/.png (the fix; the GPU test of
+#                     the shared-prefix pass in CUDA Graphs: 1 passed)
+
+# ---- .box/run1.sh
+# build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
+# CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 100 python3 benchmarks/bench_shared_decode.py --out "$OUT" --iters 20 2>&1 | tee "$OUT/bench_shared_decode.log" \
+  | grep -v "Warn\|warn" | tail -8
+echo "bench at $SECONDS s"
+timeout ${T1:-300} python3 -m pytest test/test_engine_cuda.py test/test_paged_prefill_cuda.py \
+  test/test_decode_cuda.py test/test_cuda.py test/test_errors.py -q \
+  -p no:cacheprovider -n 8 -rfE 2>&1 | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -25
+echo "all $SECONDS s"
+
+# ---- .box/run2.sh
+# bench_shared_decode with the pass in CUDA Graphs, by part, and a flash-attention candidate; then bench_prefix's
+# shared load with a per-step trace, compressed + caching against raw + caching.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix"
+export PYTHONUNBUFFERED=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 150 python3 benchmarks/bench_shared_decode.py --out "$OUT" --iters 20 2>&1 | tee "$OUT/bench_shared_decode.log" \
+  | grep -v "Warn\|warn" | tail -12
+echo "bench at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit ${PREFIX_LIMIT:-380} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -30
+echo "all $SECONDS s"
+
+# ---- .box/run3.sh
+# bench_prefix's shared load, compressed + caching and raw + caching, each job's load under cProfile (host time).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT ZIPKV_PROFILE_JOB=$OUT/prefix
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit ${PREFIX_LIMIT:-420} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | grep "shared\|steps"
+for f in $OUT/prefix/profile_*.txt; do echo "== $f"; sed -n '/Ordered by: internal/,$p' $f | head -28; done
+echo "all $SECONDS s"
+
+# ---- .box/run4.sh
+# the shared-prefix GPU test (compiled, graphed), then bench_prefix's shared load, compressed + caching against raw +
+# caching, after the part count stopped specializing the compiled step.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 100 python3 -m pytest test/test_engine_cuda.py -q -p no:cacheprovider -k shared -rfE 2>&1 | tail -3
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit ${PREFIX_LIMIT:-330} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -14
+echo "all $SECONDS s"
