@@ -12,9 +12,8 @@ pages (every 16 x 64 stream from SmolLM2's real cache: $ZIPKV_REAL_KV or the mod
 order; L2 flushed before every timed call, variants round-robin, medians (bench_decode.py's time_round_robin).
 Also the engine's decode with prefix caching on the shared layout (``shared_*_once``: torch_zipkv.shared_prefix, the
 shared pages attended once for every row, then each row's own pages, merged), eager and, as the engine runs it, in a
-CUDA Graph (``shared_*_once_graph``), whole and by part (``_prefix``, ``_own``, ``_merge``), beside a candidate for
-the prefix pass (``_flash_*``: the prefix's pages rebuilt into BF16 scratch, then torch's flash attention). Writes
-bench_shared_decode.json into --out.
+CUDA Graph (``shared_*_once_graph``), whole and by part (``_prefix``: the prefix rebuilt once and attended by every
+row, ``_own``, ``_merge``). Writes bench_shared_decode.json into --out.
 """
 
 from __future__ import annotations
@@ -32,11 +31,13 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_decode as bd  # noqa: E402  (timing, real-like pages, storage)
+from bench_projections import graph_of  # noqa: E402
 
 import torch_zipkv  # noqa: E402
 from torch_zipkv import format as fmt  # noqa: E402
 from torch_zipkv.shared_prefix import TENSORS as SHARED_TENSORS  # noqa: E402
-from torch_zipkv.shared_prefix import SharedTables, attend_shared, own_table, shared_prefix_tables  # noqa: E402
+from torch_zipkv.shared_prefix import (SharedTables, attend_prefix, attend_shared, merge_parts,  # noqa: E402
+                                       own_table, shared_prefix_tables)
 
 PAGE = bd.PAGE
 
@@ -58,86 +59,30 @@ def shared_pass(pages: list, shape: dict, device="cuda"):
     """The engine's shared-prefix pass for rows of these page ids (torch_zipkv.shared_prefix, as prepare_step lays
     it out): its SharedTables and the rows' own page tables."""
     full = np.array([len(p) for p in pages])
-    t = shared_prefix_tables(pages, full, len(pages), shape["Hq"] // shape["Hkv"], shape["Hkv"], PAGE)
+    t = shared_prefix_tables(pages, full, len(pages), shape["Hq"] // shape["Hkv"], shape["Hkv"], PAGE, shape["D"])
     indptr = np.r_[0, np.cumsum(full)].astype(np.int32)
     own = own_table(indptr, np.concatenate(pages).astype(np.int32), t.pop("skip"))
     dev = [torch.from_numpy(np.ascontiguousarray(t[k])).to(device) for k in SHARED_TENSORS]
-    tables = SharedTables(*dev, parts=t["parts"], rows=len(pages), sharing_rows=t["sharing_rows"],
-                          shared_pages=t["shared_pages"])
+    tables = SharedTables(*dev, rows=len(pages), sharing_rows=t["sharing_rows"], shared_pages=t["shared_pages"])
     own_dev = [torch.from_numpy(a).to(device) for a in own]
     return tables, (*own_dev, torch.full((len(pages),), PAGE, dtype=torch.int32, device=device))
 
 
 def pass_parts(q, ckv, tables, own, scale) -> dict:
     """The shared-prefix pass whole (``all``) and its three parts as callables on fixed buffers: ``prefix`` (the
-    prefix's paged_prefill over every sharing row), ``own`` (paged_decode over each row's own pages) and ``merge``."""
-    from torch_zipkv.shared_prefix import merge_parts
-
+    prefix's pages rebuilt into BF16 scratch and attended by every row at once), ``own`` (paged_decode over each
+    row's own pages) and ``merge``."""
     rows, heads = q.shape[0], q.shape[1]
-    q_parts = q.index_select(0, tables.perm).repeat(tables.parts, 1, 1)
-    lse_p = torch.empty(tables.parts * rows, heads, dtype=torch.float32, device=q.device)
-    out_p = torch.empty_like(q_parts)
+    out_p, lse_p = attend_prefix(q, ckv.data, ckv.meta, PAGE, tables, scale)
     lse_o = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
     out_o = torch.empty_like(q)
-
-    def prefix():
-        torch_zipkv.ops.paged_prefill(q_parts, tables.qo_indptr, ckv.data, ckv.meta, tables.kv_indptr,
-                                      tables.kv_indices, tables.kv_last_page_len, PAGE, causal=False, sm_scale=scale,
-                                      lse=lse_p, out=out_p)
 
     def own_pages():
         torch_zipkv.ops.paged_decode(q, ckv.data, ckv.meta, *own, PAGE, sm_scale=scale, lse=lse_o, out=out_o)
 
-    def merge():
-        merge_parts(out_p.view(tables.parts, rows, *q.shape[1:]), lse_p.view(tables.parts, rows, heads),
-                    tables.inv_perm, out_o, lse_o)
-
-    # A candidate for the prefix pass: rebuild the prefix's pages once into BF16 scratch (one layer's worth), then
-    # torch's flash attention over it with every sharing row's heads as one query block per kv head.
-    n, hkv = tables.sharing_rows, ckv.meta.shape[2]
-    group = heads // hkv
-    pids = tables.kv_indices[: tables.shared_pages]
-    scratch = torch.empty(tables.shared_pages, 2, PAGE, hkv, q.shape[2], dtype=torch.bfloat16, device=q.device)
-    kv_len = tables.shared_pages * PAGE
-
-    def decompress():
-        torch_zipkv.ops.decompress_pages(ckv.data, ckv.meta, pids, PAGE, q.shape[2], out=scratch)
-
-    def flash():
-        qs = q.index_select(0, tables.perm[:n]).view(n, hkv, group, -1).permute(1, 0, 2, 3)
-        qs = qs.reshape(1, hkv, n * group, -1)
-        k = scratch[:, 0].reshape(kv_len, hkv, -1).permute(1, 0, 2)[None]
-        v = scratch[:, 1].reshape(kv_len, hkv, -1).permute(1, 0, 2)[None]
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qs, k, v, scale=scale)[:2]
-        return o, lse
-
-    def flash_all():
-        decompress()
-        o, lse = flash()
-        own_pages()
-        o = o[0].view(hkv, n, group, -1).permute(1, 0, 2, 3).reshape(n, heads, -1)
-        lse = lse[0].view(hkv, n, group).permute(1, 0, 2).reshape(n, heads)
-        out_f = torch.zeros_like(q)
-        lse_f = torch.full((rows, heads), float("-inf"), device=q.device)
-        out_f[:n], lse_f[:n] = o, lse
-        return merge_parts(out_f[None], lse_f[None], tables.inv_perm, out_o, lse_o)
-
     return {"all": lambda: attend_shared(q, ckv.data, ckv.meta, PAGE, tables, *own, sm_scale=scale),
-            "prefix": prefix, "own": own_pages, "merge": merge, "flash_all": flash_all,
-            "flash_decompress": decompress, "flash_attn": flash}
-
-
-def graphed(fn):
-    """fn captured in a CUDA Graph (after a warm-up on a side stream): its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+            "prefix": lambda: attend_prefix(q, ckv.data, ckv.meta, PAGE, tables, scale), "own": own_pages,
+            "merge": lambda: merge_parts(out_p, lse_p, out_o, lse_o)}
 
 
 def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams, flush, gen) -> dict:
@@ -166,18 +111,14 @@ def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams
                 cname = f"{name}_once"
                 fns[cname] = (lambda ckv=ckv, tables=tables, own_table=own_table: attend_shared(
                     q, ckv.data, ckv.meta, PAGE, tables, *own_table, sm_scale=scale))
-                info[cname] = {**info[name], "parts": tables.parts, "plan": None}
+                info[cname] = {**info[name], "prefix_table": list(tables.prefix_ids.shape), "plan": None}
                 outs[cname] = fns[cname]()
                 info[cname]["rel_diff_vs_one_call"] = float(((outs[cname].double() - outs[name].double()).norm()
                                                              / outs[name].double().norm()))
                 # As the engine runs it, in a CUDA Graph (no launch gaps), whole and by part: the prefix pass, the
                 # own pages' decode, and the merge (the eager variant above pays ~15 launches from Python). Captured
                 # and timed after the variants above (a run that captured them first timed the unshared rows wrong).
-                parts = pass_parts(q, ckv, tables, own_table, scale)
-                flash_out = parts["flash_all"]()
-                info[cname]["flash_rel_diff_vs_one_call"] = float(((flash_out.double() - outs[name].double()).norm()
-                                                                   / outs[name].double().norm()))
-                for part, fn in parts.items():
+                for part, fn in pass_parts(q, ckv, tables, own_table, scale).items():
                     gname = f"{cname}_graph" if part == "all" else f"{cname}_graph_{part}"
                     graph_fns[gname] = fn
                     info[gname] = {**info[cname]}
@@ -185,7 +126,7 @@ def run_case(shape: dict, batch: int, shared: int, own: int, iters: int, streams
         a, b = outs[f"{layout}_compressed"].double(), outs[f"{layout}_raw"].double()
         info[f"{layout}_compressed"]["rel_diff_vs_raw"] = float((a - b).norm() / b.norm())
     times = bd.time_round_robin(fns, iters, flush)
-    times.update(bd.time_round_robin({k: graphed(fn) for k, fn in graph_fns.items()}, iters, flush))
+    times.update(bd.time_round_robin({k: graph_of(fn).replay for k, fn in graph_fns.items()}, iters, flush))
     results = {}
     for name, ts in times.items():
         us = statistics.median(ts)

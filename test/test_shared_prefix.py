@@ -14,9 +14,10 @@ import torch
 from torch_zipkv import CompressedPagedKVCache
 from torch_zipkv.page_pool import page_hashes
 from torch_zipkv import shared_prefix
-from torch_zipkv.shared_prefix import MIN_PAGES, find_group, merge_parts, parts_for, shared_prefix_tables
+from torch_zipkv.shared_prefix import (MIN_PAGES, dense_attention, find_group, merge_parts, parts_for, pass_pages,
+                                       shared_prefix_tables)
 
-from conftest import rel_err
+from conftest import rel_err, requires_cuda
 
 LAYERS, H, D, P, GROUP = 2, 2, 64, 16, 4
 
@@ -52,20 +53,41 @@ def test_find_group_saves_the_most_page_reads():
 
 
 def test_tables_lay_the_pass_out_for_padded_rows():
-    a = np.arange(10, 30, dtype=np.int32)
-    pages = [np.arange(50, 60, dtype=np.int32), a, np.r_[a[:8], 1, 2]]
-    t = shared_prefix_tables(pages, np.array([9, 12, 9]), rows=8, group=GROUP, num_kv_heads=H, page_size=P)
-    parts = t["parts"]
-    assert parts == parts_for(8, GROUP, H) and t["sharing_rows"] == 2 and t["shared_pages"] == 8
-    assert t["perm"].tolist() == [1, 2, 0, 3, 4, 5, 6, 7] and (t["perm"][t["inv_perm"]] == np.arange(8)).all()
-    assert t["kv_indices"].tolist() == a[:8].tolist() + [0] * 8 and t["skip"].tolist() == [0, 8, 8]  # padded to 16
-    qo, indptr = t["qo_indptr"], t["kv_indptr"]
-    for p in range(parts):  # part p: the sharing rows over its run of the prefix, the others over nothing
-        assert qo[2 * p: 2 * p + 3].tolist() == [8 * p, 8 * p + 2, 8 * p + 8]
-        assert indptr[2 * p + 2] == indptr[2 * p + 1]
-    assert indptr[-1] == 8 and (np.diff(indptr[::2]) >= 0).all()
-    assert (t["kv_last_page_len"][1::2] == 0).all()
-    assert ((t["kv_last_page_len"][::2] == P) == (np.diff(indptr[::2]) > 0)).all()
+    a = np.arange(10, 40, dtype=np.int32)
+    pages = [np.arange(50, 60, dtype=np.int32), a, np.r_[a[:20], 1, 2], a.copy()]
+    t = shared_prefix_tables(pages, np.array([9, 28, 22, 25]), rows=8, group=GROUP, num_kv_heads=H, page_size=P,
+                             head_dim=D)
+    # rows 1-3 share 20 pages, of which the pass covers 20 (four significant bits, even) in parts_for's runs
+    assert t["sharing_rows"] == 3 and t["shared_pages"] == 20
+    parts = parts_for(8, GROUP, H, 20)
+    assert t["prefix_ids"].shape == (parts, 20 // parts) and t["prefix_ids"].ravel().tolist() == a[:20].tolist()
+    assert t["sharing"].tolist() == [0, 1, 1, 1, 0, 0, 0, 0] and t["skip"].tolist() == [0, 20, 20, 20]
+
+
+def test_pass_sizes_come_in_few_values_and_parts_divide_them():
+    """The pages a pass covers keep four significant bits and are even; the parts are powers of two >= 2 that divide
+    them into runs of 2 pages or more, more parts for fewer rows (up to 16)."""
+    assert [pass_pages(n, 10_000) for n in (4, 5, 15, 16, 17, 31, 255, 256, 257, 1000)] == \
+        [4, 4, 14, 16, 16, 30, 240, 256, 256, 960]
+    assert pass_pages(1000, 300) == 288
+    for rows in (1, 8, 64, 512):
+        for pages in (4, 6, 14, 240, 256, 992):
+            parts = parts_for(rows, 4, 8, pages)
+            assert parts >= 2 and parts & (parts - 1) == 0 and pages % parts == 0 and pages // parts >= 2
+    assert parts_for(8, 4, 8, 256) == 16 and parts_for(2048, 4, 8, 256) == 2
+
+
+@pytest.mark.parametrize("cap", [0.0, 5.0])
+def test_dense_attention_is_float64_attention(gen, cap):
+    """The pass's attention (flash on CPU here, the soft cap's float32 path) against float64, lse included."""
+    q = torch.randn(2, 3, 20, D, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 3, 70, D, generator=gen).bfloat16() for _ in range(2))
+    out, lse = dense_attention(q, k, v, 0.3, cap)
+    s = torch.einsum("nhld,nhsd->nhls", q.double(), k.double()) * 0.3
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    assert rel_err(out, s.softmax(-1) @ v.double()) < 1e-2
+    assert (lse.double() - s.logsumexp(-1)).abs().max() < 1e-3
 
 
 def test_merge_parts_is_softmax_over_the_union(gen):
@@ -84,34 +106,31 @@ def test_merge_parts_is_softmax_over_the_union(gen):
     outs, lses = zip(*[attend(c) if len(c) else (torch.zeros(rows, hq, D, dtype=torch.float64),
                                                  torch.full((rows, hq), -math.inf, dtype=torch.float64)) for c in cuts])
     own_out, own_lse = attend(torch.arange(30, n))
-    perm = torch.tensor([3, 0, 4, 1, 2])  # the parts in perm order, the own part in row order
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(rows)
-    out_parts = torch.stack(outs)[:, perm].bfloat16()
-    lse_parts = torch.stack(lses)[:, perm].float()
-    merged = merge_parts(out_parts, lse_parts, inv, own_out.bfloat16(), own_lse.float())
-    assert merged.dtype == torch.bfloat16 and rel_err(merged, whole) < 1e-2
+    out_parts = torch.cat([torch.stack(outs), torch.randn(3, 2, hq, D, dtype=torch.float64)], 1).bfloat16()
+    lse_parts = torch.cat([torch.stack(lses), torch.randn(3, 2, hq, dtype=torch.float64)], 1).float()  # 2 padded rows
+    merged = merge_parts(out_parts, lse_parts, own_out.bfloat16(), own_lse.float())
+    assert merged.dtype == torch.bfloat16 and merged.shape == (rows, hq, D) and rel_err(merged, whole) < 1e-2
     lse_parts[:] = -math.inf
-    empty = merge_parts(out_parts, lse_parts, inv, torch.zeros_like(merged), torch.full((rows, hq), -math.inf))
+    empty = merge_parts(out_parts, lse_parts, torch.zeros_like(merged), torch.full((rows, hq), -math.inf))
     assert (empty == 0).all()
-    lse_parts[0, inv[2], 1] = math.nan
-    poisoned = merge_parts(out_parts, lse_parts, inv, own_out.bfloat16(), own_lse.float())
+    lse_parts[0, 2, 1] = math.nan
+    poisoned = merge_parts(out_parts, lse_parts, own_out.bfloat16(), own_lse.float())
     assert poisoned[2, 1].isnan().all() and not poisoned[[0, 1, 3, 4]].isnan().any()
 
 
-def kv_rows(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_rows(n: int, seed: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(n, H, D, generator=g).bfloat16() for _ in range(2)) for _ in range(LAYERS)]
+    return [tuple(torch.randn(n, H, D, generator=g).bfloat16().to(device) for _ in range(2)) for _ in range(LAYERS)]
 
 
-def sharing_cache(gen, prefix_pages: int, private: list[int], unshared: list[int]):
+def sharing_cache(gen, prefix_pages: int, private: list[int], unshared: list[int], device: str = "cpu"):
     """A cache whose first sequence wrote ``prefix_pages`` pages of a prompt (and cached them); one sequence per entry
     of ``private`` starts from them and appends that many tokens of its own; ``unshared`` sequences hold their own
     tokens only. Returns (cache, seq ids)."""
-    cache = CompressedPagedKVCache(LAYERS, H, D, page_size=P, device="cpu", max_bytes=64 << 20)
+    cache = CompressedPagedKVCache(LAYERS, H, D, page_size=P, device=device, max_bytes=64 << 20)
     tokens = list(range(prefix_pages * P))
     first = cache.add_sequence(prefix_pages * P + 40, 4)
-    for layer, (k, v) in enumerate(kv_rows(prefix_pages * P + 5, 0)):
+    for layer, (k, v) in enumerate(kv_rows(prefix_pages * P + 5, 0, device)):
         cache.append(layer, first, k, v)
     cache.cache_pages(first, page_hashes(tokens, P))
     ids = [first]
@@ -119,40 +138,41 @@ def sharing_cache(gen, prefix_pages: int, private: list[int], unshared: list[int
         prefix = cache.match_prefix(page_hashes(tokens, P))
         assert len(prefix) == prefix_pages
         sid = cache.add_sequence(prefix_pages * P + n, 4, prefix=prefix)
-        for layer, (k, v) in enumerate(kv_rows(n, 1 + i)):
+        for layer, (k, v) in enumerate(kv_rows(n, 1 + i, device)):
             cache.append(layer, sid, k, v)
         ids.append(sid)
     for i, n in enumerate(unshared):
         sid = cache.add_sequence(n, 4)
-        for layer, (k, v) in enumerate(kv_rows(n, 100 + i)):
+        for layer, (k, v) in enumerate(kv_rows(n, 100 + i, device)):
             cache.append(layer, sid, k, v)
         ids.append(sid)
     cache.compress_full_pages()
     return cache, ids
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("extra_rows", [0, 3])
 @pytest.mark.parametrize("cap", [0.0, 30.0])
-def test_step_over_shared_pages_matches_one_call_and_float64(gen, extra_rows, cap):
+def test_step_over_shared_pages_matches_one_call_and_float64(gen, extra_rows, cap, device):
     """Five sequences over 6 shared compressed pages (one at a page boundary, one inside its first private page) and
     two of their own, in mixed order: the step with the pass (laid out for padded rows too) against paged_decode
     over every row's pages in one call, and against float64 attention over the gathered tokens."""
-    cache, ids = sharing_cache(gen, 6, [17, 1, 16, 40], [30, 90])
+    cache, ids = sharing_cache(gen, 6, [17, 1, 16, 40], [30, 90], device)
     order = [ids[5], ids[1], ids[0], ids[6], ids[3], ids[2], ids[4]]
     rows = len(order) + extra_rows
     step = cache.prepare_step(order, shared_prefix=GROUP, rows=rows)
     assert step.shared is not None and step.shared.sharing_rows == 5 and step.shared.shared_pages == 6
     assert step.shared.rows == rows
     for layer in range(LAYERS):
-        k, v = (torch.randn(len(order), H, D, generator=gen).bfloat16() for _ in range(2))
+        k, v = (torch.randn(len(order), H, D, generator=gen).bfloat16().to(device) for _ in range(2))
         cache.step_append(layer, step, k, v)
-        q = torch.randn(rows, H * GROUP, D, generator=gen).bfloat16()
-        got = cache.step_decode(layer, step, q, logits_soft_cap=cap)[: len(order)]
-        one = cache.decode(layer, q[: len(order)], order, logits_soft_cap=cap)
+        q = torch.randn(rows, H * GROUP, D, generator=gen).bfloat16().to(device)
+        got = cache.step_decode(layer, step, q, logits_soft_cap=cap)[: len(order)].cpu()
+        one = cache.decode(layer, q[: len(order)], order, logits_soft_cap=cap).cpu()
         assert rel_err(got, one.double()) < 1e-2
         for r, sid in enumerate(order):
-            keys, vals = (t.double().repeat_interleave(GROUP, 1) for t in cache.gather(layer, sid))  # [n, Hq, D]
-            logits = torch.einsum("hd,nhd->hn", q[r].double(), keys) / math.sqrt(D)
+            keys, vals = (t.cpu().double().repeat_interleave(GROUP, 1) for t in cache.gather(layer, sid))  # [n,Hq,D]
+            logits = torch.einsum("hd,nhd->hn", q[r].cpu().double(), keys) / math.sqrt(D)
             if cap:
                 logits = cap * torch.tanh(logits / cap)
             ref = torch.einsum("hn,nhd->hd", logits.softmax(-1), vals)

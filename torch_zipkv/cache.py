@@ -386,7 +386,7 @@ class CompressedPagedKVCache:
         shared = None
         if shared_prefix and all(w is None for w in self.sliding_window):
             shared = shared_prefix_tables([s.pages for s in batch.seqs], start // self.page_size, rows,
-                                          shared_prefix, self.num_kv_heads, self.page_size)
+                                          shared_prefix, self.num_kv_heads, self.page_size, self.head_dim)
         if shared is not None:  # the step's page table: each row's pages after the prefix the pass covers
             tables[2], tables[4] = own_table(tables[2], tables[4], shared.pop("skip"))
         extra = [] if shared is None else [shared[k] for k in SHARED_TENSORS]
@@ -397,8 +397,8 @@ class CompressedPagedKVCache:
         if layout.filled:
             self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
         if shared is not None:
-            shared = SharedTables(*rest[: len(extra)], parts=shared["parts"], rows=rows,
-                                  sharing_rows=shared["sharing_rows"], shared_pages=shared["shared_pages"])
+            shared = SharedTables(*rest[: len(extra)], rows=rows, sharing_rows=shared["sharing_rows"],
+                                  shared_pages=shared["shared_pages"])
         return DecodeStep(page_ids, slots, indptr, indices, last, self._generation, shared)
 
     def check_step(self, step, fn: str = "check_step") -> None:
@@ -440,8 +440,8 @@ class CompressedPagedKVCache:
                     out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
         """Decode attention of one layer in a step prepared by :meth:`prepare_step` (``q`` bf16 [B, Hq, D]).
         Refuses a stale step or another cache's (:meth:`check_step`). A step with a shared-prefix pass attends to
-        the prefix once for its rows (``paged_prefill``, not causal), to each row's own pages (``paged_decode``),
-        and merges the two (:func:`torch_zipkv.shared_prefix.attend_shared`)."""
+        the prefix once for its rows (rebuilt once into BF16 scratch, one dense attention), to each row's own pages
+        (``paged_decode``), and merges the two (:func:`torch_zipkv.shared_prefix.attend_shared`)."""
         self.check_step(step, "step_decode")
         sh, meta = step.shared, self.meta(layer)
         if sh is None:

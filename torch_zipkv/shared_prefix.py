@@ -4,16 +4,25 @@ their own pages apart; the two parts merge by their log-sum-exp, exactly as soft
 
 Why: in a plain decode every row streams and rebuilds the shared pages for itself. They then sit in L2, the step stops
 being HBM-bound, and the rebuild's SM time shows: compressed pages ran 0.83-0.88x raw's speed there, where unshared
-they run 1.20-1.28x (docs/performance.md, "Decode over a shared prefix"). Attended once, the prefix is one
-``paged_prefill`` call, not causal (every row's position is past the prefix), whose query rows are all the sharing
-rows' heads: the prefill kernels rebuild each tile once for up to 128 of them.
+they run 1.20-1.28x (docs/performance.md, "Prefix caching end to end").
 
-The layout (:func:`shared_prefix_tables`, on the host; its shapes come from the padded row count alone, so a CUDA
-Graph replays it): the rows sorted by ``perm`` (the sharing rows first), repeated ``parts`` times as the prefill's
-queries, part p being two requests: the sharing rows over the p-th run of the prefix's pages, and the other rows over
-no pages (zeros, lse -inf). Splitting the prefix into parts gives the GPU enough CTAs. Each row's own pages (after the
-prefix for a sharing row, all of them for another) are a plain ``paged_decode`` with its lse, and
-:func:`merge_parts` joins the parts.
+How: the prefix's pages are rebuilt once per layer and step (``decompress_pages``, bit-exact) into BF16 scratch, and
+one dense attention runs over them with every row's query heads as a kv head's queries (torch's flash attention on
+CUDA and CPU; with a logit soft cap, which it lacks, a float32 softmax). The rebuild reads the prefix once for all
+rows, so compression still saves its bytes, and the attention runs at tensor-core speed. Measured on the H100 box
+(one layer, 8B shape, 4,096 shared + 768 own tokens, in a CUDA Graph): this layout in one part took 147 / 264 / 340
+us at 32 / 128 / 192 rows where the first pass of this module, one non-causal ``paged_prefill`` over the pages (the
+tile kernel), took 148 / 421 / 457 us (benchmarks/results/h100_2026-12-06/bench_shared_decode_graph_parts.json).
+Cut into parts as below, it has not run on a GPU yet.
+
+The layout (:func:`shared_prefix_tables`, on the host): ``prefix_ids`` [parts, pages per part], the prefix's page
+ids cut into ``parts`` equal runs that the attention takes as its batch (more CTAs than one run gives: a kv head's
+queries are a few blocks of 128); ``sharing``, 1 for each row that holds the prefix (every row attends to it; the
+others' part is dropped). Both are tensors whose shapes a compiled step reads, marked dynamic by the engine's graphs:
+one compilation serves every bucket, part count and prefix length; each count and size is at least 2, since dynamo
+specializes a size of 1. The pass covers the prefix's pages rounded down to four significant bits (so a CUDA Graph's
+buffers come in a few sizes) and a multiple of the part count; each row's pages after that are a plain
+``paged_decode`` with its lse, and :func:`merge_parts` joins the two.
 """
 
 from __future__ import annotations
@@ -28,43 +37,50 @@ from . import ops
 
 MIN_ROWS = 2  # rows that must share a prefix for the pass to run
 MIN_PAGES = 4  # and pages they must share
-# Page reads the pass must save ((rows - 1) x shared pages): its second kernel and the merge cost some 10 us a layer in
-# a graph, where a page read costs about 16 ns at the 8B shape's 64 KB a page and 4 TB/s, so below some 600 reads a
-# step would lose. Not measured yet: a cost estimate, set low rather than high.
-MIN_SAVED_PAGES = 256
-_TARGET_CTAS = 264  # the prefix pass's CTAs to aim for: two per SM of an H100 or H200
-_TILE_ROWS = 128  # query rows a CTA of paged_prefill's tile kernel takes
+# Page reads the pass must save ((rows - 1) x shared pages). The pass rebuilds the prefix (reads it compressed, writes
+# and reads it as BF16: some 3 reads' worth), copies K and V apart, runs a second kernel and merges, ~15 us fixed at
+# the 8B shape in a graph, where a page read from L2 costs ~10 ns: below ~1,000 reads saved a step would lose. A cost
+# estimate: on the H100 with an unfused merge, the one-part dense layout tied with a plain decode at 32 rows x 256
+# shared pages (7,936 reads saved) and won from 128 rows; the threshold itself is not measured.
+MIN_SAVED_PAGES = 1024
+MAX_PASS_BYTES = 256 << 20  # BF16 scratch one layer's pass may rebuild the prefix into; pages past it decode per row
+_TARGET_CTAS = 264  # the attention's CTAs to aim for: two per SM of an H100 or H200
+_TILE_ROWS = 128  # query rows a CTA of the dense attention takes (flash attention's block at d <= 128)
 _MAX_PARTS = 16
 
-
-TENSORS = ("perm", "inv_perm", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")  # SharedTables', in order
+TENSORS = ("prefix_ids", "sharing")  # SharedTables', in order
 
 
 @dataclass(frozen=True, eq=False)
 class SharedTables:
-    """A decode step's shared-prefix pass (device tensors; see the module docstring): ``perm``, ``inv_perm`` int64
-    [rows]; the prefill's ``qo_indptr`` and ``kv_indptr`` int32 [2 parts + 1], ``kv_indices`` int32 (padded),
-    ``kv_last_page_len`` int32 [2 parts]; ``parts`` and ``rows`` (the padded row count the layout is for), the
-    sharing rows' count and their shared pages' (host ints)."""
+    """A decode step's shared-prefix pass (device tensors; see the module docstring): ``prefix_ids`` int32 [parts,
+    pages per part], ``sharing`` int32 [rows] (1: the row holds the prefix); ``rows`` (the padded row count the
+    layout is for), the sharing rows' count and the pages the pass covers (host ints)."""
 
-    perm: torch.Tensor
-    inv_perm: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    parts: int
+    prefix_ids: torch.Tensor
+    sharing: torch.Tensor
     rows: int
     sharing_rows: int
     shared_pages: int
 
 
-def parts_for(rows: int, group: int, num_kv_heads: int) -> int:
-    """How many runs the prefix is split into for ``rows`` query rows of ``group`` heads per kv head: a power of two
-    that makes about _TARGET_CTAS CTAs of the tile kernel, from shapes alone; at least 2, since a compiled step
-    reads the count off a shape that dynamo specializes at 1 (one part would recompile the step)."""
+def pass_pages(shared: int, cap: int) -> int:
+    """The prefix pages a pass covers of ``shared`` (at most ``cap``): rounded down to four significant bits and to
+    an even count (a graph's buffers then come in 8 sizes an octave, and 2 parts always divide it)."""
+    n = min(shared, cap)
+    n &= ~((1 << max(0, n.bit_length() - 4)) - 1)
+    return n & ~1
+
+
+def parts_for(rows: int, group: int, num_kv_heads: int, pages: int) -> int:
+    """How many runs a pass over ``pages`` prefix pages is cut into for ``rows`` query rows of ``group`` heads per kv
+    head: a power of two that makes about _TARGET_CTAS CTAs of the attention, divides ``pages`` and leaves each run
+    2 pages or more; at least 2 (a size of 1 would specialize a compiled step)."""
     ctas = max(1, math.ceil(rows * group / _TILE_ROWS)) * num_kv_heads
-    return min(_MAX_PARTS, 1 << max(1, math.ceil(math.log2(max(1.0, _TARGET_CTAS / ctas)))))
+    parts = min(_MAX_PARTS, 1 << max(1, math.ceil(math.log2(max(1.0, _TARGET_CTAS / ctas)))))
+    while parts > 2 and (pages % parts or pages // parts < 2):
+        parts //= 2
+    return parts
 
 
 def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -98,40 +114,26 @@ def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, i
 
 
 def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, group: int, num_kv_heads: int,
-                         page_size: int) -> dict | None:
+                         page_size: int, head_dim: int) -> dict | None:
     """The shared-prefix pass of a decode step of ``len(pages)`` rows laid out for ``rows`` >= that (a CUDA Graph's
-    bucket: the padded rows join the non-sharing ones), or None when no group qualifies (:func:`find_group`).
-    Returns the host arrays ``perm``, ``inv_perm`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices`` (padded
-    with zeros to a power of two >= 16, so CUDA Graph buffers come in a few sizes), ``kv_last_page_len`` (int32),
-    ``skip`` (int64 [len(pages)]: the leading pages of each row the pass covers), and
-    the ints ``parts``, ``sharing_rows``, ``shared_pages``."""
+    bucket: the padded rows share nothing), or None when no group qualifies (:func:`find_group`). Returns the host
+    arrays ``prefix_ids`` (int32 [parts, pages per part]), ``sharing`` (int32 [rows]), ``skip`` (int64
+    [len(pages)]: the leading pages of each row the pass covers), and the ints ``sharing_rows``, ``shared_pages``."""
     found = find_group(pages, full)
     if found is None:
         return None
     sharing, shared = found
-    batch = len(pages)
-    others = np.setdiff1d(np.arange(rows, dtype=np.int64), sharing)  # in row order, the padded rows last
-    perm = np.concatenate([sharing, others])
-    inv_perm = np.empty(rows, dtype=np.int64)
-    inv_perm[perm] = np.arange(rows, dtype=np.int64)
-    parts = parts_for(rows, group, num_kv_heads)
-    n = len(sharing)
-    qo = np.zeros(2 * parts + 1, dtype=np.int32)
-    qo[1::2] = np.arange(parts) * rows + n
-    qo[2::2] = (np.arange(parts) + 1) * rows
-    cuts = np.arange(parts + 1) * shared // parts  # part p: the prefix's pages cuts[p] .. cuts[p + 1]
-    kv_indptr = np.zeros(2 * parts + 1, dtype=np.int32)
-    kv_indptr[1::2] = cuts[1:]
-    kv_indptr[2::2] = cuts[1:]
-    last = np.zeros(2 * parts, dtype=np.int32)
-    last[0::2] = np.where(np.diff(cuts) > 0, page_size, 0)
-    skip = np.zeros(batch, dtype=np.int64)
-    skip[sharing] = shared
-    indices = np.zeros(max(16, 1 << (int(shared) - 1).bit_length()), dtype=np.int32)
-    indices[:shared] = pages[int(sharing[0])][:shared]
-    return dict(perm=perm, inv_perm=inv_perm, qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=indices,
-                kv_last_page_len=last, skip=skip,
-                parts=parts, sharing_rows=n, shared_pages=int(shared))
+    page_bytes = 2 * page_size * num_kv_heads * head_dim * 2
+    used = pass_pages(int(shared), max(MIN_PAGES, MAX_PASS_BYTES // page_bytes))
+    if used < MIN_PAGES:
+        return None
+    parts = parts_for(rows, group, num_kv_heads, used)
+    skip = np.zeros(len(pages), dtype=np.int64)
+    skip[sharing] = used
+    mask = np.zeros(rows, dtype=np.int32)
+    mask[sharing] = 1
+    ids = np.ascontiguousarray(pages[int(sharing[0])][:used], dtype=np.int32).reshape(parts, used // parts)
+    return dict(prefix_ids=ids, sharing=mask, skip=skip, sharing_rows=len(sharing), shared_pages=used)
 
 
 def own_table(indptr: np.ndarray, indices: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,41 +146,72 @@ def own_table(indptr: np.ndarray, indices: np.ndarray, skip: np.ndarray) -> tupl
     return own_indptr, np.pad(own, (0, len(indices) - len(own))).astype(np.int32)
 
 
-def merge_parts(out_parts: torch.Tensor, lse_parts: torch.Tensor, inv_perm: torch.Tensor, out_own: torch.Tensor,
+def merge_parts(out_parts: torch.Tensor, lse_parts: torch.Tensor, out_own: torch.Tensor,
                 lse_own: torch.Tensor) -> torch.Tensor:
     """Softmax attention over the union of the parts' keys from each part's normalized output and lse: ``out_parts``
-    bf16 [parts, rows, Hq, D] and ``lse_parts`` fp32 [parts, rows, Hq] in ``perm`` order, ``out_own`` bf16
-    [B, Hq, D] and ``lse_own`` [B, Hq] in row order (B <= rows). A row with no key anywhere gets zeros; a NaN part
-    (a refused page) makes the row NaN, as the kernels' own outputs are."""
+    bf16 [parts, rows, Hq, D] and ``lse_parts`` fp32 [parts, rows, Hq], ``out_own`` bf16 [B, Hq, D] and ``lse_own``
+    [B, Hq], in row order (B <= rows). A row with no key anywhere gets zeros; a NaN part (a refused page) makes the
+    row NaN, as the kernels' own outputs are."""
     batch = out_own.shape[0]
-    lse = torch.cat([lse_parts.index_select(1, inv_perm[:batch]), lse_own[None]])  # [parts + 1, B, Hq]
-    vals = torch.cat([out_parts.index_select(1, inv_perm[:batch]), out_own[None]])
+    lse = torch.cat([lse_parts[:, :batch], lse_own[None]])  # [parts + 1, B, Hq]
+    vals = torch.cat([out_parts[:, :batch], out_own[None]])
     m = lse.amax(0)
     m = torch.where(m == float("-inf"), 0.0, m)  # no key in any part: every weight 0 (NaN stays NaN)
     w = torch.exp(lse - m)
     return ((w[..., None] * vals.float()).sum(0) / w.sum(0).clamp_min(1e-30)[..., None]).to(torch.bfloat16)
 
 
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` bf16 [N, H, L, D] over ``k``, ``v`` bf16 [N, H, S, D] (last dim contiguous), no mask:
+    (out bf16 [N, H, L, D], lse fp32 [N, H, L], natural log). torch's flash attention (the aten ops behind
+    ``scaled_dot_product_attention``, the ones that return the lse; traced by torch.compile); with a soft cap, which
+    they lack, a float32 softmax."""
+    if logits_soft_cap > 0:
+        s = torch.einsum("nhld,nhsd->nhls", q.float(), k.float()) * scale
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        lse = torch.logsumexp(s, -1)
+        return torch.einsum("nhls,nhsd->nhld", torch.exp(s - lse[..., None]), v.float()).to(torch.bfloat16), lse
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+    return out, lse
+
+
+def attend_prefix(q: torch.Tensor, data: torch.Tensor, meta: torch.Tensor, page_size: int, shared: SharedTables,
+                  sm_scale: float, logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass's first part: every row of ``q`` (bf16 [rows, Hq, D]) over the prefix's pages, rebuilt once into
+    BF16 scratch: (out bf16 [parts, rows, Hq, D], lse fp32 [parts, rows, Hq]), a row that does not hold the prefix
+    with zeros and lse -inf (whatever the pages hold: another row's NaN must not reach it)."""
+    rows, heads, dim = q.shape
+    kv_heads = meta.shape[2]
+    group = heads // kv_heads
+    parts, per = shared.prefix_ids.shape
+    ids = shared.prefix_ids.reshape(-1)
+    pages = torch.empty(ids.shape[0], 2, page_size, kv_heads, dim, dtype=torch.bfloat16, device=q.device)
+    torch.ops.zipkv.decompress_pages(data, meta, ids, pages)  # the op itself: its wrapper's checks don't trace
+    # K and V apart, [parts, Hkv, keys per part, D] (a copy: a page interleaves its K and V)
+    k, v = (pages[:, i].reshape(parts, per * page_size, kv_heads, dim).transpose(1, 2) for i in (0, 1))
+    qd = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
+    out, lse = dense_attention(qd.expand(parts, -1, -1, -1).contiguous(), k, v, sm_scale, logits_soft_cap)
+    out = out.reshape(parts, kv_heads, rows, group, dim).transpose(1, 2).reshape(parts, rows, heads, dim)
+    lse = lse.reshape(parts, kv_heads, rows, group).transpose(1, 2).reshape(parts, rows, heads)
+    holds = (shared.sharing != 0)[None, :, None]
+    return torch.where(holds[..., None], out, 0), torch.where(holds, lse, float("-inf"))
+
+
 def attend_shared(q: torch.Tensor, data: torch.Tensor, meta: torch.Tensor, page_size: int, shared: SharedTables,
                   kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *,
                   sm_scale: float | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
     """Decode attention of ``q`` (bf16 [shared.rows, Hq, D]) over a shared prefix and each row's own pages: the
-    prefix once for its rows (``paged_prefill``, not causal, in ``shared.parts`` runs), the own pages (the page table
-    ``kv_*`` of B <= rows rows, after the prefix for a sharing row) by ``paged_decode``, merged. Returns bf16
-    [B, Hq, D]."""
-    rows, heads = q.shape[0], q.shape[1]
-    # The part count read off a table's shape, not the int: a compiled step whose buffers mark that shape dynamic
-    # then serves every part count without recompiling (an int would specialize the graph: a recompile, tens of
-    # seconds, in the middle of serving, whenever the batch crosses a size where the count changes).
-    parts = shared.kv_last_page_len.shape[0] // 2
-    q_parts = q.index_select(0, shared.perm).repeat(parts, 1, 1)
-    lse_parts = torch.empty(parts * rows, heads, dtype=torch.float32, device=q.device)
-    out_parts = ops.paged_prefill(q_parts, shared.qo_indptr, data, meta, shared.kv_indptr, shared.kv_indices,
-                                  shared.kv_last_page_len, page_size, causal=False, sm_scale=sm_scale, lse=lse_parts,
-                                  logits_soft_cap=logits_soft_cap)
+    prefix once for every row (:func:`attend_prefix`), the own pages (the page table ``kv_*`` of B <= rows rows,
+    after the prefix for a sharing row) by ``paged_decode``, merged. Returns bf16 [B, Hq, D]."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    out_parts, lse_parts = attend_prefix(q, data, meta, page_size, shared, sm_scale, logits_soft_cap)
     own = kv_indptr.shape[0] - 1
-    lse_own = torch.empty(own, heads, dtype=torch.float32, device=q.device)
+    lse_own = torch.empty(own, q.shape[1], dtype=torch.float32, device=q.device)
     out_own = ops.paged_decode(q[:own], data, meta, kv_indptr, kv_indices, kv_last_page_len, page_size,
                                sm_scale=sm_scale, lse=lse_own, logits_soft_cap=logits_soft_cap)
-    return merge_parts(out_parts.view(parts, rows, *q.shape[1:]), lse_parts.view(parts, rows, heads),
-                       shared.inv_perm, out_own, lse_own)
+    return merge_parts(out_parts, lse_parts, out_own, lse_own)

@@ -14,8 +14,8 @@ padded row to its own slot, and reads nothing (``kv_indptr`` repeats the last re
 it neither writes into a real page nor is read back; its logits are dropped.
 
 A step with a shared-prefix pass (``DecodeStep.shared``, laid out for the bucket's rows: the padded rows join the
-rows that share nothing) runs in buffer sets of its own, keyed also by the pass's parts and prefix-table size; its
-tables are copied like the others.
+rows that share nothing) runs in buffer sets of its own, keyed also by the shape of its prefix table (parts, pages
+per part); its tables are copied like the others.
 
 ``kv_indices`` is sized to the next power of two of the step's table, so the decode kernel's launch plan (read from
 the shapes) stays close to what the eager step would pick, with few captures.
@@ -63,16 +63,14 @@ class _Buffers:
             for t in (self.ids, self.pos, self.page_ids, self.slots, self.indptr, self.indices, self.last):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         self.shared = None
-        if shared is not None:  # (parts, prefix table size): a SharedTables over buffers, copied whole each step
-            parts, n = shared
-            perm = torch.arange(batch, dtype=torch.long, device=device)
-            qo = torch.arange(2 * parts + 1, **i32).div(2, rounding_mode="floor").mul(batch)  # nobody shares
-            self.shared = SharedTables(perm, perm.clone(), qo, torch.zeros(2 * parts + 1, **i32), torch.zeros(n, **i32),
-                                       torch.zeros(2 * parts, **i32), parts=parts, rows=batch, sharing_rows=0,
-                                       shared_pages=0)
-            if dynamic:  # one compilation for every bucket and part count (attend_shared reads it off a shape)
-                for name in SHARED_TENSORS:
-                    torch._dynamo.maybe_mark_dynamic(getattr(self.shared, name), 0)
+        if shared is not None:  # (parts, pages per part): a SharedTables over buffers, copied whole each step
+            # The pad page until a step's ids are copied in: a written page, so the capture's rebuild reads real bytes
+            ids = torch.full(shared, pad_page, **i32)
+            self.shared = SharedTables(ids, torch.zeros(batch, **i32), rows=batch, sharing_rows=0, shared_pages=0)
+            if dynamic:  # one compilation for every bucket, part count and prefix length (all >= 2)
+                for t in (ids, self.shared.sharing):
+                    for dim in range(t.dim()):
+                        torch._dynamo.maybe_mark_dynamic(t, dim)
         self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last, self.shared)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -131,7 +129,7 @@ class DecodeGraphs:
         if sh is not None and sh.rows != bp:
             raise ValueError(f"decode graph: the step's shared-prefix pass is laid out for {sh.rows} rows, the bucket "
                              f"of {b} rows has {bp}")
-        shared = None if sh is None else (sh.parts, sh.kv_indices.shape[0])
+        shared = None if sh is None else tuple(sh.prefix_ids.shape)
         g = self.buffers.get((bp, width, shared))
         if g is None:
             t = time.perf_counter()
