@@ -28,13 +28,13 @@ inline std::string head_dims_text() {
 inline std::string dtype_name(at::ScalarType dtype) { return "torch." + std::string(c10::getDtypeNames(dtype).first); }
 
 inline void check_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int64_t dim,
-                         const at::Device& device) {
+                         const at::Device& device, bool contiguous = true) {
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, "zipkv.", op, ": ", name, " must be ", dtype_name(dtype), ", got ",
                    dtype_name(t.scalar_type()));
   TORCH_CHECK_VALUE(t.dim() == dim, "zipkv.", op, ": ", name, " must have ", dim, " dims, got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.device() == device, "zipkv.", op, ": ", name, " must be on ", device,
                     " (like the other tensors), got ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "zipkv.", op, ": ", name, " must be contiguous");
+  TORCH_CHECK_VALUE(!contiguous || t.is_contiguous(), "zipkv.", op, ": ", name, " must be contiguous");
 }
 
 // Fresh tensors are; an odd slice or view need not be. The CUDA kernels move these tensors in 16-byte words.
@@ -78,8 +78,14 @@ inline void check_cursor(const char* op, const at::Tensor& cursor, const at::Dev
 }
 
 // kv: bf16 [n, 2, page_size, num_kv_heads, head_dim] (compress input or decompress output).
-inline void check_pages(const char* op, const char* name, const at::Tensor& kv, const at::Device& device) {
-  check_tensor(kv, op, name, at::kBFloat16, 5, device);
+// Pages [n, 2, page_size, num_kv_heads, head_dim]. kv_apart: also the transpose(0, 1) of a contiguous
+// [2, n, page_size, num_kv_heads, head_dim] tensor (every K, then every V: what attention over the pages reads).
+inline void check_pages(const char* op, const char* name, const at::Tensor& kv, const at::Device& device,
+                        bool kv_apart = false) {
+  check_tensor(kv, op, name, at::kBFloat16, 5, device, !kv_apart);
+  TORCH_CHECK_VALUE(!kv_apart || kv.is_contiguous() || kv.transpose(0, 1).is_contiguous(), "zipkv.", op, ": ", name,
+                    " must be contiguous, or the transpose(0, 1) of a contiguous [2, n, page_size, num_kv_heads, ",
+                    "head_dim] tensor (K and V apart)");
   TORCH_CHECK_VALUE(kv.size(1) == 2, "zipkv.", op, ": ", name,
                     " must be [n, 2, page_size, num_kv_heads, head_dim] with K and V stacked on dim 1, got ",
                     kv.sizes());
@@ -101,7 +107,7 @@ inline void check_compress_args(const at::Tensor& kv, const at::Tensor& page_ids
 inline void check_decompress_args(const at::Tensor& data, const at::Tensor& meta, const at::Tensor& page_ids,
                                   const at::Tensor& out) {
   const char* op = "decompress_pages";
-  check_pages(op, "out", out, data.device());
+  check_pages(op, "out", out, data.device(), /*kv_apart=*/true);
   check_storage(op, data, meta, out.size(2), out.size(4), out.size(3));
   check_index(op, "page_ids", page_ids, out.size(0), data.device());
 }

@@ -27,6 +27,9 @@ def test_cuda_bytes_equal_cpu_bytes(gen, P, H, D, allow_compress):
         assert torch.equal(c, g.cpu())
     out = ops.decompress_pages(gpu[0], gpu[1], ids.cuda(), P, D)
     assert torch.equal(bits(out.cpu()), bits(kv))
+    apart = torch.empty(2, *kv.shape[:1], *kv.shape[2:], dtype=torch.bfloat16, device="cuda")  # every K, then every V
+    ops.decompress_pages(gpu[0], gpu[1], ids.cuda(), P, D, out=apart.transpose(0, 1))
+    assert torch.equal(bits(apart.transpose(0, 1).cpu()), bits(kv))
 
 
 @pytest.mark.parametrize("head_dim", fmt.HEAD_DIMS)

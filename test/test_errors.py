@@ -11,7 +11,7 @@ import torch_zipkv
 from torch_zipkv import empty_storage, ops
 from torch_zipkv import format as fmt
 
-from conftest import page_table, random_kv, store
+from conftest import bits, page_table, random_kv, store
 
 
 @pytest.fixture
@@ -254,6 +254,25 @@ def test_decompress_pages_wrapper_checks_what_it_allocates_from(setup):
     with pytest.raises(ValueError, match=r"zipkv.decompress_pages: out must be \[n, 2, 32, num_kv_heads, 64\]"):
         ops.decompress_pages(ckv.data, ckv.meta, ids, 32, 64, out=torch.empty_like(kv))
     assert torch.equal(ops.decompress_pages(ckv.data, ckv.meta, ids, 16, 64, out=torch.empty_like(kv)), kv)
+
+
+def test_decompress_pages_writes_k_and_v_apart_or_refuses_other_layouts(setup):
+    """out may be the transpose(0, 1) of a contiguous [2, n, ...] buffer (every K, then every V: what a dense attention
+    over the pages reads by views): the same bits land there. Any other non-contiguous out is refused, by the CPU
+    kernel and, while tracing, by the fake kernel, with the same ValueError naming out."""
+    kv, ckv = setup[:2]
+    ids = torch.tensor([3, 0, 2], dtype=torch.int32)
+    buf = torch.full((2, 3, 16, 2, 64), float("nan"), dtype=torch.bfloat16)
+    ops.decompress_pages(ckv.data, ckv.meta, ids, 16, 64, out=buf.transpose(0, 1))
+    assert torch.equal(bits(buf.transpose(0, 1)), bits(kv[ids.long()]))
+    assert torch.equal(bits(buf[0]), bits(kv[ids.long(), 0])) and torch.equal(bits(buf[1]), bits(kv[ids.long(), 1]))
+    other = torch.empty(3, 16, 2, 2, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3, 4)  # K|V apart within each page
+    with pytest.raises(ValueError, match=r"zipkv.decompress_pages: out must be contiguous, or the transpose\(0, 1\) "
+                                         r"of a contiguous \[2, n, page_size, num_kv_heads, head_dim\] tensor") as real:
+        ops.decompress_pages(ckv.data, ckv.meta, ids, 16, 64, out=other)
+    with pytest.raises(ValueError) as fake:
+        torch.ops.zipkv.decompress_pages(ckv.data.to("meta"), ckv.meta.to("meta"), ids.to("meta"), other.to("meta"))
+    assert str(fake.value) == str(real.value).splitlines()[0]
 
 
 @pytest.mark.parametrize("num_kv_heads, num_qo_heads", [(0, 4), (0, 0), (1, 17), (1, 32), (2, 64)])

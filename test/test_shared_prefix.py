@@ -123,14 +123,17 @@ def kv_rows(n: int, seed: int, device: str = "cpu") -> list[tuple[torch.Tensor, 
     return [tuple(torch.randn(n, H, D, generator=g).bfloat16().to(device) for _ in range(2)) for _ in range(LAYERS)]
 
 
-def sharing_cache(gen, prefix_pages: int, private: list[int], unshared: list[int], device: str = "cpu"):
+def sharing_cache(gen, prefix_pages: int, private: list[int], unshared: list[int], device: str = "cpu",
+                  poison: bool = False):
     """A cache whose first sequence wrote ``prefix_pages`` pages of a prompt (and cached them); one sequence per entry
     of ``private`` starts from them and appends that many tokens of its own; ``unshared`` sequences hold their own
-    tokens only. Returns (cache, seq ids)."""
+    tokens only. ``poison``: one key of the prefix is a NaN. Returns (cache, seq ids)."""
     cache = CompressedPagedKVCache(LAYERS, H, D, page_size=P, device=device, max_bytes=64 << 20)
     tokens = list(range(prefix_pages * P))
     first = cache.add_sequence(prefix_pages * P + 40, 4)
     for layer, (k, v) in enumerate(kv_rows(prefix_pages * P + 5, 0, device)):
+        if poison:
+            k[P + 3, 1, 7] = float("nan")
         cache.append(layer, first, k, v)
     cache.cache_pages(first, page_hashes(tokens, P))
     ids = [first]
@@ -177,6 +180,24 @@ def test_step_over_shared_pages_matches_one_call_and_float64(gen, extra_rows, ca
                 logits = cap * torch.tanh(logits / cap)
             ref = torch.einsum("hn,nhd->hd", logits.softmax(-1), vals)
             assert rel_err(got[r], ref) < 1e-2, (layer, r)
+
+
+def test_a_nan_in_the_shared_pages_reaches_only_the_rows_that_hold_them(gen):
+    """Every row of a step runs through the prefix's attention; a row that does not hold the prefix drops its part.
+    With a NaN key in the prefix, the rows that hold it come out NaN (as one paged_decode over their pages gives), the
+    others exactly as if the pass were not there."""
+    cache, ids = sharing_cache(gen, 6, [17, 40], [30, 90], poison=True)
+    order = [ids[3], ids[1], ids[0], ids[4], ids[2]]
+    step = cache.prepare_step(order, shared_prefix=GROUP, rows=8)
+    assert step.shared.sharing_rows == 3
+    k, v = (torch.randn(len(order), H, D, generator=gen).bfloat16() for _ in range(2))
+    cache.step_append(0, step, k, v)
+    q = torch.randn(8, H * GROUP, D, generator=gen).bfloat16()
+    got = cache.step_decode(0, step, q)[: len(order)]
+    one = cache.decode(0, q[: len(order)], order)
+    holds = torch.tensor([False, True, True, False, True])
+    assert got[holds][:, GROUP:2 * GROUP].isnan().all() and one[holds][:, GROUP:2 * GROUP].isnan().all()
+    assert not got[~holds].isnan().any() and rel_err(got[~holds], one[~holds].double()) < 1e-2
 
 
 def test_no_pass_without_enough_shared_pages_or_with_sliding_windows(gen):

@@ -128,7 +128,9 @@ def decompress_pages(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rebuild pages ``page_ids`` bit-exactly as bf16 [n, 2, page_size, H, head_dim] (into ``out`` if given)."""
+    """Rebuild pages ``page_ids`` bit-exactly as bf16 [n, 2, page_size, H, head_dim] (into ``out`` if given: contiguous,
+    or ``buf.transpose(0, 1)`` of a contiguous [2, n, page_size, H, head_dim] ``buf``, every K and then every V, so
+    ``buf[0]`` and ``buf[1]`` are the keys and values of all ``n`` pages in token order)."""
     op = "decompress_pages"
     _check_types(op, data=(data, "tensor"), meta=(meta, "tensor"), page_ids=(page_ids, "tensor"),
                  page_size=(page_size, "int"), head_dim=(head_dim, "int"), out=(out, "tensor?"))
@@ -296,11 +298,12 @@ def _check_value(cond, op: str, name: str, what) -> None:
     torch._check_value(cond, lambda: f"zipkv.{op}: {name} {what() if callable(what) else what}")
 
 
-def _check_tensor(t, op: str, name: str, dtype: torch.dtype, dim: int, device: torch.device) -> None:
+def _check_tensor(t, op: str, name: str, dtype: torch.dtype, dim: int, device: torch.device,
+                  contiguous: bool = True) -> None:
     torch._check_type(t.dtype == dtype, lambda: f"zipkv.{op}: {name} must be {dtype}, got {t.dtype}")
     _check_value(t.dim() == dim, op, name, lambda: f"must have {dim} dims, got shape {list(t.shape)}")
     _check_value(t.device == device, op, name, lambda: f"must be on {device} (like the other tensors), got {t.device}")
-    _check_value(t.is_contiguous(), op, name, "must be contiguous")
+    _check_value(not contiguous or t.is_contiguous(), op, name, "must be contiguous")
 
 
 def _check_aligned(t, op: str, name: str) -> None:
@@ -330,8 +333,11 @@ def _check_index(op: str, name: str, t, n, device) -> None:
     _check_value(t.shape[0] == n, op, name, lambda: f"must have {n} entries, got {t.shape[0]}")
 
 
-def _check_pages(op: str, name: str, kv, device) -> None:
-    _check_tensor(kv, op, name, torch.bfloat16, 5, device)
+def _check_pages(op: str, name: str, kv, device, kv_apart: bool = False) -> None:
+    _check_tensor(kv, op, name, torch.bfloat16, 5, device, contiguous=not kv_apart)
+    _check_value(not kv_apart or kv.is_contiguous() or kv.transpose(0, 1).is_contiguous(), op, name,
+                 "must be contiguous, or the transpose(0, 1) of a contiguous [2, n, page_size, num_kv_heads, head_dim] "
+                 "tensor (K and V apart)")
     _check_value(kv.shape[1] == 2, op, name, lambda: "must be [n, 2, page_size, num_kv_heads, head_dim] with K and V "
                  f"stacked on dim 1, got {list(kv.shape)}")
     _check_value(kv.shape[3] >= 1, op, name, lambda: f"must have num_kv_heads >= 1 (dim 3), got {list(kv.shape)}")
@@ -391,7 +397,7 @@ def _compress_pages_fake(kv, page_ids, allow_compress, data, meta, cursor):
 @torch.library.register_fake("zipkv::decompress_pages")
 def _decompress_pages_fake(data, meta, page_ids, out):
     op = "decompress_pages"
-    _check_pages(op, "out", out, data.device)
+    _check_pages(op, "out", out, data.device, kv_apart=True)
     _check_storage(op, data, meta, out.shape[2], out.shape[4], out.shape[3])
     _check_index(op, "page_ids", page_ids, out.shape[0], data.device)
 

@@ -6,14 +6,16 @@ Why: in a plain decode every row streams and rebuilds the shared pages for itsel
 being HBM-bound, and the rebuild's SM time shows: compressed pages ran 0.83-0.88x raw's speed there, where unshared
 they run 1.20-1.28x (docs/performance.md, "Prefix caching end to end").
 
-How: the prefix's pages are rebuilt once per layer and step (``decompress_pages``, bit-exact) into BF16 scratch, and
-one dense attention runs over them with every row's query heads as a kv head's queries (torch's flash attention on
-CUDA and CPU; with a logit soft cap, which it lacks, a float32 softmax). The rebuild reads the prefix once for all
+How: the prefix's pages are rebuilt once per layer and step (``decompress_pages``, bit-exact) into BF16 scratch, every
+K and then every V (so the attention reads them by views), and one dense attention runs over them with every row's
+query heads as a kv head's queries (torch's flash attention on CUDA and CPU; with a logit soft cap, which it lacks, a
+float32 softmax). The rebuild reads the prefix once for all
 rows, so compression still saves its bytes, and the attention runs at tensor-core speed. Measured on the H100 box
 (one layer, 8B shape, 4,096 shared + 768 own tokens, in a CUDA Graph): this layout in one part took 147 / 264 / 340
 us at 32 / 128 / 192 rows where the first pass of this module, one non-causal ``paged_prefill`` over the pages (the
-tile kernel), took 148 / 421 / 457 us (benchmarks/results/h100_2026-12-06/bench_shared_decode_graph_parts.json).
-Cut into parts as below, it has not run on a GPU yet.
+tile kernel), took 148 / 421 / 457 us (benchmarks/results/h100_2026-12-06/bench_shared_decode_graph_parts.json);
+that version copied K and V apart after the rebuild. Cut into parts, K and V rebuilt apart, it has not run on a GPU
+yet.
 
 The layout (:func:`shared_prefix_tables`, on the host): ``prefix_ids`` [parts, pages per part], the prefix's page
 ids cut into ``parts`` equal runs that the attention takes as its batch (more CTAs than one run gives: a kv head's
@@ -38,7 +40,7 @@ from . import ops
 MIN_ROWS = 2  # rows that must share a prefix for the pass to run
 MIN_PAGES = 4  # and pages they must share
 # Page reads the pass must save ((rows - 1) x shared pages). The pass rebuilds the prefix (reads it compressed, writes
-# and reads it as BF16: some 3 reads' worth), copies K and V apart, runs a second kernel and merges, ~15 us fixed at
+# and reads it as BF16: some 3 reads' worth), runs a second kernel and merges, ~15 us fixed at
 # the 8B shape in a graph, where a page read from L2 costs ~10 ns: below ~1,000 reads saved a step would lose. A cost
 # estimate: on the H100 with an unfused merge, the one-part dense layout tied with a plain decode at 32 rows x 256
 # shared pages (7,936 reads saved) and won from 128 rows; the threshold itself is not measured.
@@ -189,10 +191,11 @@ def attend_prefix(q: torch.Tensor, data: torch.Tensor, meta: torch.Tensor, page_
     group = heads // kv_heads
     parts, per = shared.prefix_ids.shape
     ids = shared.prefix_ids.reshape(-1)
-    pages = torch.empty(ids.shape[0], 2, page_size, kv_heads, dim, dtype=torch.bfloat16, device=q.device)
-    torch.ops.zipkv.decompress_pages(data, meta, ids, pages)  # the op itself: its wrapper's checks don't trace
-    # K and V apart, [parts, Hkv, keys per part, D] (a copy: a page interleaves its K and V)
-    k, v = (pages[:, i].reshape(parts, per * page_size, kv_heads, dim).transpose(1, 2) for i in (0, 1))
+    # Every K, then every V ([2, P, page, Hkv, D]), so each is [parts, Hkv, keys per part, D] by views alone. The op
+    # itself: its wrapper's checks do not trace.
+    kv = torch.empty(2, ids.shape[0], page_size, kv_heads, dim, dtype=torch.bfloat16, device=q.device)
+    torch.ops.zipkv.decompress_pages(data, meta, ids, kv.transpose(0, 1))
+    k, v = (kv[i].view(parts, per * page_size, kv_heads, dim).transpose(1, 2) for i in (0, 1))
     qd = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
     out, lse = dense_attention(qd.expand(parts, -1, -1, -1).contiguous(), k, v, sm_scale, logits_soft_cap)
     out = out.reshape(parts, kv_heads, rows, group, dim).transpose(1, 2).reshape(parts, rows, heads, dim)

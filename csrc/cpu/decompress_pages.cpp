@@ -1,4 +1,5 @@
-// CPU kernel of zipkv::decompress_pages: rebuild pages bit-exactly in natural [2, page_size, heads, dim] order.
+// CPU kernel of zipkv::decompress_pages: rebuild pages bit-exactly in natural [2, page_size, heads, dim] order (out's
+// page and K|V strides: contiguous, or K and V apart).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -16,7 +17,7 @@ void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const 
   for (int64_t i = 0; i < n; ++i) check_page_id("decompress_pages", "page_ids", i, ids[i], num_pages);
   const uint8_t* src = data.data_ptr<uint8_t>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t page_values = int64_t{2} * P * H * D;
+  const int64_t page_stride = out.stride(0), kv_stride = out.stride(1);
   at::parallel_for(0, n * 2 * H, 8, [&](int64_t begin, int64_t end) {
     uint16_t v[kBlockValues];
     for (int64_t s = begin; s < end; ++s) {
@@ -28,7 +29,7 @@ void decompress_pages_cpu(const at::Tensor& data, const at::Tensor& meta, const 
                                                  ids[i], is_v, head, P, D, &off, &nbytes);
       for (int b = 0; b < nb; ++b) {
         decode_block(src + off, desc[b], v);
-        scatter_block(v, P, H, D, is_v, head, b, dst + i * page_values);
+        scatter_block(v, P, H, D, is_v, head, b, dst + i * page_stride + is_v * kv_stride);
         off += block_bytes(desc[b]);
       }
     }

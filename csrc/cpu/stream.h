@@ -26,11 +26,12 @@ inline void gather_block(const uint16_t* page, int page_size, int num_kv_heads, 
       v[position(is_v, tok, dim)] = page[natural_index(page_size, num_kv_heads, head_dim, is_v, head, b, tok, dim)];
 }
 
+// Block b of the K (is_v 0) or V half of a page: ``half`` points at that half's [page_size, heads, dim] values.
 inline void scatter_block(const uint16_t* v, int page_size, int num_kv_heads, int head_dim, int is_v, int head, int b,
-                          uint16_t* page) {
+                          uint16_t* half) {
   for (int tok = 0; tok < kTileTokens; ++tok)
     for (int dim = 0; dim < kBlockDims; ++dim)
-      page[natural_index(page_size, num_kv_heads, head_dim, is_v, head, b, tok, dim)] = v[position(is_v, tok, dim)];
+      half[natural_index(page_size, num_kv_heads, head_dim, 0, head, b, tok, dim)] = v[position(is_v, tok, dim)];
 }
 
 // Row of meta [num_pages, 2, num_kv_heads, words] for stream (page, is_v, head).

@@ -17,11 +17,20 @@ constexpr int kWarp = 32;
 constexpr int kRowWords = 20;
 constexpr int kStageWords = kTileTokens * kRowWords;
 
-// Address (in bf16 elements) of (token 0, dim 0) of block b of stream (page i, is_v, head) in a [n, 2, P, H, D] tensor.
-__device__ __forceinline__ int64_t natural_block_base(int64_t stream, int b, int P, int H, int D) {
+// Address (in bf16 elements) of (token 0, dim 0) of block b of stream (page i, is_v, head) in a [n, 2, P, H, D] tensor
+// whose dims 2-4 are contiguous and whose page and K|V strides are page_stride and kv_stride.
+__device__ __forceinline__ int64_t natural_block_base(int64_t stream, int b, int P, int H, int D, int64_t page_stride,
+                                                      int64_t kv_stride) {
   const int64_t i = stream / (2 * H);
   const int is_v = (stream / H) % 2, head = stream % H, spans = D / kBlockDims;
-  return (((i * 2 + is_v) * P + (b / spans) * kTileTokens) * H + head) * D + (b % spans) * kBlockDims;
+  return i * page_stride + is_v * kv_stride + ((b / spans) * kTileTokens * H + head) * static_cast<int64_t>(D) +
+         (b % spans) * kBlockDims;
+}
+
+// The same in a contiguous [n, 2, P, H, D] tensor.
+__device__ __forceinline__ int64_t natural_block_base(int64_t stream, int b, int P, int H, int D) {
+  const int64_t kv_stride = static_cast<int64_t>(P) * H * D;
+  return natural_block_base(stream, b, P, H, D, 2 * kv_stride, kv_stride);
 }
 
 // Starts copying a block in natural layout (row stride in elements) into its staged form with 16-byte cp.async,

@@ -1,6 +1,7 @@
 // CUDA kernel of zipkv::decompress_pages: each warp fetches four blocks, rebuilds them in registers and writes them in
-// natural layout with 16-byte stores. A stream whose meta row is missing, corrupt or tagged with another geometry or
-// format version (format.h read_stream) is never read: its values come back as 0xFFFF (NaN).
+// natural layout with 16-byte stores (out's page and K|V strides: contiguous, or K and V apart). A stream whose meta
+// row is missing, corrupt or tagged with another geometry or format version (format.h read_stream) is never read: its
+// values come back as 0xFFFF (NaN).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,7 +20,8 @@ constexpr int kBlocksPerWarp = 4;  // all blocks' loads are issued before any is
 __global__ void __launch_bounds__(kWarps* kWarp, 4)
     decompress_pages_kernel(const uint8_t* __restrict__ data, int64_t data_bytes, const int32_t* __restrict__ meta,
                             const int32_t* __restrict__ page_ids, int64_t num_pages, uint16_t* __restrict__ out,
-                            int64_t num_blocks, int P, int H, int D, int words) {
+                            int64_t page_stride, int64_t kv_stride, int64_t num_blocks, int P, int H, int D,
+                            int words) {
   __shared__ __align__(16) uint32_t stage[kWarps][kStageWords];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int nb = blocks_per_stream(P, D);
@@ -34,7 +36,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, 4)
     const int64_t x = first + lane, stream = x / nb;
     const int b = static_cast<int>(x % nb);
     my_is_v = static_cast<int>((stream / H) % 2);
-    my_dst = natural_block_base(stream, b, P, H, D);
+    my_dst = natural_block_base(stream, b, P, H, D, page_stride, kv_stride);
     const int64_t page = page_ids[stream / (2 * H)];
     if (page >= 0 && page < num_pages) {
       const int32_t* row = meta + ((page * 2 + my_is_v) * H + stream % H) * words;
@@ -103,7 +105,8 @@ void decompress_pages_cuda(const at::Tensor& data, const at::Tensor& meta, const
   decompress_pages_kernel<<<static_cast<unsigned int>((num_blocks + per_cta - 1) / per_cta), kWarps * kWarp, 0,
                             c10::cuda::getCurrentCUDAStream()>>>(
       data.data_ptr<uint8_t>(), data.numel(), meta.data_ptr<int32_t>(), page_ids.data_ptr<int32_t>(), meta.size(0),
-      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), num_blocks, P, H, D, meta.size(3));
+      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0), out.stride(1), num_blocks, P, H, D,
+      meta.size(3));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
