@@ -14,7 +14,7 @@ import torch
 from torch_zipkv import CompressedPagedKVCache
 from torch_zipkv.page_pool import page_hashes
 from torch_zipkv import shared_prefix
-from torch_zipkv.shared_prefix import (MIN_PAGES, dense_attention, find_group, merge_parts, parts_for, pass_pages,
+from torch_zipkv.shared_prefix import (MIN_PAGES, dense_attention, find_group, merge_parts, pass_pages,
                                        shared_prefix_tables)
 
 from conftest import rel_err, requires_cuda
@@ -52,29 +52,26 @@ def test_find_group_saves_the_most_page_reads():
     assert find_group([a, a], np.array([MIN_PAGES - 1, 20])) is None  # too few full pages in one row
 
 
-def test_tables_lay_the_pass_out_for_padded_rows():
+def test_tables_lay_the_pass_out_for_padded_rows(monkeypatch):
     a = np.arange(10, 40, dtype=np.int32)
-    pages = [np.arange(50, 60, dtype=np.int32), a, np.r_[a[:20], 1, 2], a.copy()]
-    t = shared_prefix_tables(pages, np.array([9, 28, 22, 25]), rows=8, group=GROUP, num_kv_heads=H, page_size=P,
+    pages = [np.arange(50, 60, dtype=np.int32), a, np.r_[a[:21], 1, 2], a.copy()]
+    t = shared_prefix_tables(pages, np.array([9, 28, 23, 25]), rows=8, group=GROUP, num_kv_heads=H, page_size=P,
                              head_dim=D)
-    # rows 1-3 share 20 pages, of which the pass covers 20 (four significant bits, even) in parts_for's runs
-    assert t["sharing_rows"] == 3 and t["shared_pages"] == 20
-    parts = parts_for(8, GROUP, H, 20)
-    assert t["prefix_ids"].shape == (parts, 20 // parts) and t["prefix_ids"].ravel().tolist() == a[:20].tolist()
+    # rows 1-3 share 21 pages, of which the pass covers 20 (four significant bits); the rest decode per row
+    assert t["sharing_rows"] == 3 and t["shared_pages"] == 20 and t["prefix_ids"].tolist() == a[:20].tolist()
     assert t["sharing"].tolist() == [0, 1, 1, 1, 0, 0, 0, 0] and t["skip"].tolist() == [0, 20, 20, 20]
+    page_bytes = 2 * P * H * D * 2
+    monkeypatch.setattr(shared_prefix, "MAX_PASS_BYTES", 9 * page_bytes)  # the scratch's cap: 9 pages -> 9
+    t = shared_prefix_tables(pages, np.array([9, 28, 23, 25]), rows=8, group=GROUP, num_kv_heads=H, page_size=P,
+                             head_dim=D)
+    assert t["shared_pages"] == 9 and t["skip"].tolist() == [0, 9, 9, 9]
 
 
-def test_pass_sizes_come_in_few_values_and_parts_divide_them():
-    """The pages a pass covers keep four significant bits and are even; the parts are powers of two >= 2 that divide
-    them into runs of 2 pages or more, more parts for fewer rows (up to 16)."""
+def test_pass_sizes_keep_four_significant_bits():
+    """The pages a pass covers keep four significant bits (8 sizes an octave for a CUDA Graph's buffers)."""
     assert [pass_pages(n, 10_000) for n in (4, 5, 15, 16, 17, 31, 255, 256, 257, 1000)] == \
-        [4, 4, 14, 16, 16, 30, 240, 256, 256, 960]
+        [4, 5, 15, 16, 16, 30, 240, 256, 256, 960]
     assert pass_pages(1000, 300) == 288
-    for rows in (1, 8, 64, 512):
-        for pages in (4, 6, 14, 240, 256, 992):
-            parts = parts_for(rows, 4, 8, pages)
-            assert parts >= 2 and parts & (parts - 1) == 0 and pages % parts == 0 and pages // parts >= 2
-    assert parts_for(8, 4, 8, 256) == 16 and parts_for(2048, 4, 8, 256) == 2
 
 
 @pytest.mark.parametrize("cap", [0.0, 5.0])

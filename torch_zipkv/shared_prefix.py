@@ -9,22 +9,22 @@ they run 1.20-1.28x (docs/performance.md, "Prefix caching end to end").
 How: the prefix's pages are rebuilt once per layer and step (``decompress_pages``, bit-exact) into BF16 scratch, every
 K and then every V (so the attention reads them by views), and one dense attention runs over them with every row's
 query heads as a kv head's queries (torch's flash attention on CUDA and CPU; with a logit soft cap, which it lacks, a
-float32 softmax). The rebuild reads the prefix once for all
-rows, so compression still saves its bytes, and the attention runs at tensor-core speed. Measured on the H100 box
-(one layer, 8B shape, 4,096 shared + 768 own tokens, in a CUDA Graph): this layout in one part took 147 / 264 / 340
-us at 32 / 128 / 192 rows where the first pass of this module, one non-causal ``paged_prefill`` over the pages (the
-tile kernel), took 148 / 421 / 457 us (benchmarks/results/h100_2026-12-06/bench_shared_decode_graph_parts.json);
-that version copied K and V apart after the rebuild. Cut into parts, K and V rebuilt apart, it has not run on a GPU
-yet.
+float32 softmax). The rebuild reads the prefix once for all rows, so compression still saves its bytes, and the
+attention runs at tensor-core speed.
 
-The layout (:func:`shared_prefix_tables`, on the host): ``prefix_ids`` [parts, pages per part], the prefix's page
-ids cut into ``parts`` equal runs that the attention takes as its batch (more CTAs than one run gives: a kv head's
-queries are a few blocks of 128); ``sharing``, 1 for each row that holds the prefix (every row attends to it; the
-others' part is dropped). Both are tensors whose shapes a compiled step reads, marked dynamic by the engine's graphs:
-one compilation serves every bucket, part count and prefix length; each count and size is at least 2, since dynamo
-specializes a size of 1. The pass covers the prefix's pages rounded down to four significant bits (so a CUDA Graph's
-buffers come in a few sizes) and a multiple of the part count; each row's pages after that are a plain
-``paged_decode`` with its lse, and :func:`merge_parts` joins the two.
+Measured on the H100 box (one layer, 8B shape, 4,096 shared + 768 own tokens, in a CUDA Graph, with the merge as
+eager kernels; benchmarks/results/h100_2026-12-06/): the first pass of this module, one non-causal ``paged_prefill``
+over the pages (the tile kernel), took 148 / 421 / 457 us at 32 / 128 / 192 rows (a plain decode: 113 / 365 / 515);
+this layout with K and V copied apart after the rebuild, 147 / 264 / 340 us; cut into 8-16 runs of the prefix as the
+attention's batch (more CTAs), 148 / 372 / 392 us: each run repeats every row's queries and outputs and the merge
+reads them all, which cost more than the extra CTAs gained. So the pass is one run.
+
+The layout (:func:`shared_prefix_tables`, on the host): ``prefix_ids``, the page ids the pass covers (the prefix's
+pages rounded down to four significant bits, so a CUDA Graph's buffers come in a few sizes; the rest are each row's
+own), and ``sharing``, 1 for each row that holds the prefix (every row attends to it; the others' part is dropped).
+Both are tensors whose shapes a compiled step reads, marked dynamic by the engine's graphs: one compilation serves
+every bucket and prefix length (each at least 4: dynamo specializes sizes of 0 and 1). Each row's pages after the
+pass's are a plain ``paged_decode`` with its lse, and :func:`merge_parts` joins the two.
 """
 
 from __future__ import annotations
@@ -46,18 +46,15 @@ MIN_PAGES = 4  # and pages they must share
 # shared pages (7,936 reads saved) and won from 128 rows; the threshold itself is not measured.
 MIN_SAVED_PAGES = 1024
 MAX_PASS_BYTES = 256 << 20  # BF16 scratch one layer's pass may rebuild the prefix into; pages past it decode per row
-_TARGET_CTAS = 264  # the attention's CTAs to aim for: two per SM of an H100 or H200
-_TILE_ROWS = 128  # query rows a CTA of the dense attention takes (flash attention's block at d <= 128)
-_MAX_PARTS = 16
 
 TENSORS = ("prefix_ids", "sharing")  # SharedTables', in order
 
 
 @dataclass(frozen=True, eq=False)
 class SharedTables:
-    """A decode step's shared-prefix pass (device tensors; see the module docstring): ``prefix_ids`` int32 [parts,
-    pages per part], ``sharing`` int32 [rows] (1: the row holds the prefix); ``rows`` (the padded row count the
-    layout is for), the sharing rows' count and the pages the pass covers (host ints)."""
+    """A decode step's shared-prefix pass (device tensors; see the module docstring): ``prefix_ids`` int32 [pages],
+    ``sharing`` int32 [rows] (1: the row holds the prefix); ``rows`` (the padded row count the layout is for), the
+    sharing rows' count and the pages the pass covers (host ints)."""
 
     prefix_ids: torch.Tensor
     sharing: torch.Tensor
@@ -67,22 +64,10 @@ class SharedTables:
 
 
 def pass_pages(shared: int, cap: int) -> int:
-    """The prefix pages a pass covers of ``shared`` (at most ``cap``): rounded down to four significant bits and to
-    an even count (a graph's buffers then come in 8 sizes an octave, and 2 parts always divide it)."""
+    """The prefix pages a pass covers of ``shared`` (at most ``cap``), rounded down to four significant bits: a
+    graph's buffers then come in 8 sizes an octave."""
     n = min(shared, cap)
-    n &= ~((1 << max(0, n.bit_length() - 4)) - 1)
-    return n & ~1
-
-
-def parts_for(rows: int, group: int, num_kv_heads: int, pages: int) -> int:
-    """How many runs a pass over ``pages`` prefix pages is cut into for ``rows`` query rows of ``group`` heads per kv
-    head: a power of two that makes about _TARGET_CTAS CTAs of the attention, divides ``pages`` and leaves each run
-    2 pages or more; at least 2 (a size of 1 would specialize a compiled step)."""
-    ctas = max(1, math.ceil(rows * group / _TILE_ROWS)) * num_kv_heads
-    parts = min(_MAX_PARTS, 1 << max(1, math.ceil(math.log2(max(1.0, _TARGET_CTAS / ctas)))))
-    while parts > 2 and (pages % parts or pages // parts < 2):
-        parts //= 2
-    return parts
+    return n & ~((1 << max(0, n.bit_length() - 4)) - 1)
 
 
 def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -119,7 +104,7 @@ def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, g
                          page_size: int, head_dim: int) -> dict | None:
     """The shared-prefix pass of a decode step of ``len(pages)`` rows laid out for ``rows`` >= that (a CUDA Graph's
     bucket: the padded rows share nothing), or None when no group qualifies (:func:`find_group`). Returns the host
-    arrays ``prefix_ids`` (int32 [parts, pages per part]), ``sharing`` (int32 [rows]), ``skip`` (int64
+    arrays ``prefix_ids`` (int32 [pages]), ``sharing`` (int32 [rows]), ``skip`` (int64
     [len(pages)]: the leading pages of each row the pass covers), and the ints ``sharing_rows``, ``shared_pages``."""
     found = find_group(pages, full)
     if found is None:
@@ -129,12 +114,11 @@ def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, g
     used = pass_pages(int(shared), max(MIN_PAGES, MAX_PASS_BYTES // page_bytes))
     if used < MIN_PAGES:
         return None
-    parts = parts_for(rows, group, num_kv_heads, used)
     skip = np.zeros(len(pages), dtype=np.int64)
     skip[sharing] = used
     mask = np.zeros(rows, dtype=np.int32)
     mask[sharing] = 1
-    ids = np.ascontiguousarray(pages[int(sharing[0])][:used], dtype=np.int32).reshape(parts, used // parts)
+    ids = np.ascontiguousarray(pages[int(sharing[0])][:used], dtype=np.int32)
     return dict(prefix_ids=ids, sharing=mask, skip=skip, sharing_rows=len(sharing), shared_pages=used)
 
 
@@ -184,22 +168,21 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def attend_prefix(q: torch.Tensor, data: torch.Tensor, meta: torch.Tensor, page_size: int, shared: SharedTables,
                   sm_scale: float, logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The pass's first part: every row of ``q`` (bf16 [rows, Hq, D]) over the prefix's pages, rebuilt once into
-    BF16 scratch: (out bf16 [parts, rows, Hq, D], lse fp32 [parts, rows, Hq]), a row that does not hold the prefix
-    with zeros and lse -inf (whatever the pages hold: another row's NaN must not reach it)."""
+    BF16 scratch: (out bf16 [1, rows, Hq, D], lse fp32 [1, rows, Hq]), a row that does not hold the prefix with
+    zeros and lse -inf (whatever the pages hold: another row's NaN must not reach it)."""
     rows, heads, dim = q.shape
     kv_heads = meta.shape[2]
     group = heads // kv_heads
-    parts, per = shared.prefix_ids.shape
-    ids = shared.prefix_ids.reshape(-1)
-    # Every K, then every V ([2, P, page, Hkv, D]), so each is [parts, Hkv, keys per part, D] by views alone. The op
-    # itself: its wrapper's checks do not trace.
+    ids = shared.prefix_ids
+    # Every K, then every V ([2, P, page, Hkv, D]), so each is [1, Hkv, keys, D] by views alone. The op itself: its
+    # wrapper's checks do not trace.
     kv = torch.empty(2, ids.shape[0], page_size, kv_heads, dim, dtype=torch.bfloat16, device=q.device)
     torch.ops.zipkv.decompress_pages(data, meta, ids, kv.transpose(0, 1))
-    k, v = (kv[i].view(parts, per * page_size, kv_heads, dim).transpose(1, 2) for i in (0, 1))
+    k, v = (kv[i].view(1, -1, kv_heads, dim).transpose(1, 2) for i in (0, 1))
     qd = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
-    out, lse = dense_attention(qd.expand(parts, -1, -1, -1).contiguous(), k, v, sm_scale, logits_soft_cap)
-    out = out.reshape(parts, kv_heads, rows, group, dim).transpose(1, 2).reshape(parts, rows, heads, dim)
-    lse = lse.reshape(parts, kv_heads, rows, group).transpose(1, 2).reshape(parts, rows, heads)
+    out, lse = dense_attention(qd, k, v, sm_scale, logits_soft_cap)
+    out = out.reshape(kv_heads, rows, group, dim).transpose(0, 1).reshape(1, rows, heads, dim)
+    lse = lse.reshape(kv_heads, rows, group).transpose(0, 1).reshape(1, rows, heads)
     holds = (shared.sharing != 0)[None, :, None]
     return torch.where(holds[..., None], out, 0), torch.where(holds, lse, float("-inf"))
 

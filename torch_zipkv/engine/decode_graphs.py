@@ -14,8 +14,8 @@ padded row to its own slot, and reads nothing (``kv_indptr`` repeats the last re
 it neither writes into a real page nor is read back; its logits are dropped.
 
 A step with a shared-prefix pass (``DecodeStep.shared``, laid out for the bucket's rows: the padded rows join the
-rows that share nothing) runs in buffer sets of its own, keyed also by the shape of its prefix table (parts, pages
-per part); its tables are copied like the others.
+rows that share nothing) runs in buffer sets of its own, keyed also by the length of its prefix table; its tables are
+copied like the others.
 
 ``kv_indices`` is sized to the next power of two of the step's table, so the decode kernel's launch plan (read from
 the shapes) stays close to what the eager step would pick, with few captures.
@@ -63,11 +63,11 @@ class _Buffers:
             for t in (self.ids, self.pos, self.page_ids, self.slots, self.indptr, self.indices, self.last):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         self.shared = None
-        if shared is not None:  # (parts, pages per part): a SharedTables over buffers, copied whole each step
+        if shared is not None:  # (prefix pages,): a SharedTables over buffers, copied whole each step
             # The pad page until a step's ids are copied in: a written page, so the capture's rebuild reads real bytes
             ids = torch.full(shared, pad_page, **i32)
             self.shared = SharedTables(ids, torch.zeros(batch, **i32), rows=batch, sharing_rows=0, shared_pages=0)
-            if dynamic:  # one compilation for every bucket, part count and prefix length (all >= 2)
+            if dynamic:  # one compilation for every bucket and prefix length
                 for t in (ids, self.shared.sharing):
                     for dim in range(t.dim()):
                         torch._dynamo.maybe_mark_dynamic(t, dim)

@@ -11,6 +11,9 @@
 #                     (cProfile of each job's load: the compressed job's time is dynamo and inductor recompiling)
 #   call 4 (e1e7e7f): COMMIT=e1e7e7f bash run4.sh -> ../bench_prefix_h100.json/.md/.png (the fix; the GPU test of
 #                     the shared-prefix pass in CUDA Graphs: 1 passed)
+#   call 5 (e9490c5, kind nvidia-h100-x1): COMMIT=e9490c5 bash run5.sh -> bench_shared_decode_dense_parts.json (the
+#                     dense pass cut into runs; the whole grid valid), test_dense_pass.log (17 passed; the engine's
+#                     graphed shared-prefix test: 1 passed)
 
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
@@ -70,4 +73,22 @@ echo "built at $SECONDS s"
 timeout 100 python3 -m pytest test/test_engine_cuda.py -q -p no:cacheprovider -k shared -rfE 2>&1 | tail -3
 python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
   --time-limit ${PREFIX_LIMIT:-330} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -14
+echo "all $SECONDS s"
+
+# ---- .box/run5.sh
+# The dense shared-prefix pass on a GPU: bench_shared_decode (plain decode vs the pass, eager and in CUDA Graphs by
+# part), the CUDA tests of the pass and of decompress_pages into K and V apart, the engine's graphed shared-prefix test.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 60 python3 benchmarks/bench_shared_decode.py --out "$OUT" --iters 10 2>&1 | tee "$OUT/bench_shared_decode.log" \
+  | grep -v "Warn\|warn" | tail -10
+echo "bench at $SECONDS s"
+timeout 40 python3 -m pytest test/test_shared_prefix.py test/test_cuda.py -q -p no:cacheprovider -k "cuda_bytes_equal_cpu_bytes or (step_over_shared and cuda)" -rfE 2>&1 \
+  | tee "$OUT/test_pass.log" | tail -3
+echo "tests at $SECONDS s"
+timeout 60 python3 -m pytest test/test_engine_cuda.py -q -p no:cacheprovider -k shared -rfE 2>&1 | tee "$OUT/test_engine.log" | tail -3
 echo "all $SECONDS s"
