@@ -77,9 +77,9 @@ inline void check_cursor(const char* op, const at::Tensor& cursor, const at::Dev
                     cursor.sizes());
 }
 
-// kv: bf16 [n, 2, page_size, num_kv_heads, head_dim] (compress input or decompress output).
-// Pages [n, 2, page_size, num_kv_heads, head_dim]. kv_apart: also the transpose(0, 1) of a contiguous
-// [2, n, page_size, num_kv_heads, head_dim] tensor (every K, then every V: what attention over the pages reads).
+// kv: bf16 [n, 2, page_size, num_kv_heads, head_dim] (compress input or decompress output). kv_apart: also the
+// transpose(0, 1) of a contiguous [2, n, page_size, num_kv_heads, head_dim] tensor (every K, then every V: what a
+// dense attention over the pages reads).
 inline void check_pages(const char* op, const char* name, const at::Tensor& kv, const at::Device& device,
                         bool kv_apart = false) {
   check_tensor(kv, op, name, at::kBFloat16, 5, device, !kv_apart);
