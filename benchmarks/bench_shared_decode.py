@@ -59,7 +59,7 @@ def shared_pass(pages: list, shape: dict, device="cuda"):
     """The engine's shared-prefix pass for rows of these page ids (torch_zipkv.shared_prefix, as prepare_step lays
     it out): its SharedTables and the rows' own page tables."""
     full = np.array([len(p) for p in pages])
-    t = shared_prefix_tables(pages, full, len(pages), shape["Hq"] // shape["Hkv"], shape["Hkv"], PAGE, shape["D"])
+    t = shared_prefix_tables(pages, full, len(pages), shape["Hkv"], PAGE, shape["D"])
     indptr = np.r_[0, np.cumsum(full)].astype(np.int32)
     own = own_table(indptr, np.concatenate(pages).astype(np.int32), t.pop("skip"))
     dev = [torch.from_numpy(np.ascontiguousarray(t[k])).to(device) for k in SHARED_TENSORS]

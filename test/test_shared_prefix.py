@@ -55,14 +55,14 @@ def test_find_group_saves_the_most_page_reads():
 def test_tables_lay_the_pass_out_for_padded_rows(monkeypatch):
     a = np.arange(10, 40, dtype=np.int32)
     pages = [np.arange(50, 60, dtype=np.int32), a, np.r_[a[:21], 1, 2], a.copy()]
-    t = shared_prefix_tables(pages, np.array([9, 28, 23, 25]), rows=8, group=GROUP, num_kv_heads=H, page_size=P,
+    t = shared_prefix_tables(pages, np.array([9, 28, 23, 25]), rows=8, num_kv_heads=H, page_size=P,
                              head_dim=D)
     # rows 1-3 share 21 pages, of which the pass covers 20 (four significant bits); the rest decode per row
     assert t["sharing_rows"] == 3 and t["shared_pages"] == 20 and t["prefix_ids"].tolist() == a[:20].tolist()
     assert t["sharing"].tolist() == [0, 1, 1, 1, 0, 0, 0, 0] and t["skip"].tolist() == [0, 20, 20, 20]
     page_bytes = 2 * P * H * D * 2
     monkeypatch.setattr(shared_prefix, "MAX_PASS_BYTES", 9 * page_bytes)  # the scratch's cap: 9 pages -> 9
-    t = shared_prefix_tables(pages, np.array([9, 28, 23, 25]), rows=8, group=GROUP, num_kv_heads=H, page_size=P,
+    t = shared_prefix_tables(pages, np.array([9, 28, 23, 25]), rows=8, num_kv_heads=H, page_size=P,
                              head_dim=D)
     assert t["shared_pages"] == 9 and t["skip"].tolist() == [0, 9, 9, 9]
 
@@ -160,7 +160,7 @@ def test_step_over_shared_pages_matches_one_call_and_float64(gen, extra_rows, ca
     cache, ids = sharing_cache(gen, 6, [17, 1, 16, 40], [30, 90], device)
     order = [ids[5], ids[1], ids[0], ids[6], ids[3], ids[2], ids[4]]
     rows = len(order) + extra_rows
-    step = cache.prepare_step(order, shared_prefix=GROUP, rows=rows)
+    step = cache.prepare_step(order, shared_prefix=True, rows=rows)
     assert step.shared is not None and step.shared.sharing_rows == 5 and step.shared.shared_pages == 6
     assert step.shared.rows == rows
     for layer in range(LAYERS):
@@ -185,7 +185,7 @@ def test_a_nan_in_the_shared_pages_reaches_only_the_rows_that_hold_them(gen):
     others exactly as if the pass were not there."""
     cache, ids = sharing_cache(gen, 6, [17, 40], [30, 90], poison=True)
     order = [ids[3], ids[1], ids[0], ids[4], ids[2]]
-    step = cache.prepare_step(order, shared_prefix=GROUP, rows=8)
+    step = cache.prepare_step(order, shared_prefix=True, rows=8)
     assert step.shared.sharing_rows == 3
     k, v = (torch.randn(len(order), H, D, generator=gen).bfloat16() for _ in range(2))
     cache.step_append(0, step, k, v)
@@ -201,13 +201,15 @@ def test_no_pass_without_enough_shared_pages_or_with_sliding_windows(gen):
     """No pass below MIN_PAGES shared pages, when not asked, or in a cache with a sliding-window layer; with one, the
     step's page table holds each row's pages after the prefix."""
     cache, ids = sharing_cache(gen, MIN_PAGES - 1, [20, 20], [30])
-    assert cache.prepare_step(ids, shared_prefix=GROUP).shared is None
+    assert cache.prepare_step(ids, shared_prefix=True).shared is None
     cache, ids = sharing_cache(gen, 6, [20, 20], [30])
     assert cache.prepare_step(ids).shared is None
     cache, ids = sharing_cache(gen, 6, [20, 20], [30])
     with pytest.raises(ValueError, match="rows must be an int >= 4, got 2"):
-        cache.prepare_step(ids, shared_prefix=GROUP, rows=2)
-    step = cache.prepare_step(ids, shared_prefix=GROUP)
+        cache.prepare_step(ids, shared_prefix=True, rows=2)
+    with pytest.raises(TypeError, match="shared_prefix must be a bool, got int"):
+        cache.prepare_step(ids, shared_prefix=4)
+    step = cache.prepare_step(ids, shared_prefix=True)
     # 7 + 8 + 8 + 2 pages after the step, of which the first three sequences share 6
     assert step.shared.sharing_rows == 3 and int(step.kv_indptr[-1]) == 25 - 3 * 6
     windowed = CompressedPagedKVCache(LAYERS, H, D, page_size=P, device="cpu", max_bytes=16 << 20,
@@ -220,4 +222,4 @@ def test_no_pass_without_enough_shared_pages_or_with_sliding_windows(gen):
     b = windowed.add_sequence(6 * P + 8, prefix=windowed.match_prefix(page_hashes(tokens, P)))
     for layer, (k, v) in enumerate(kv_rows(8, 1)):
         windowed.append(layer, b, k, v)
-    assert windowed.prepare_step([a, b], shared_prefix=GROUP).shared is None
+    assert windowed.prepare_step([a, b], shared_prefix=True).shared is None

@@ -350,7 +350,7 @@ class CompressedPagedKVCache:
                                  sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
                                  logits_soft_cap=logits_soft_cap)
 
-    def prepare_step(self, seq_ids, *, shared_prefix: int = 0, rows: int | None = None) -> DecodeStep:
+    def prepare_step(self, seq_ids, *, shared_prefix: bool = False, rows: int | None = None) -> DecodeStep:
         """Prepare one decode step of ``seq_ids`` (one new token each) for every layer at once: new pages open in all
         layers together (one device copy), and the returned :class:`DecodeStep` holds the tensors every layer's
         append and attention use (page ids are shared by all layers, so one page table serves them all).
@@ -367,12 +367,13 @@ class CompressedPagedKVCache:
         :meth:`step_append` and :meth:`step_decode` refuse a stale step (RuntimeError). So call those between steps,
         before this.
 
-        ``shared_prefix``: the model's query heads per kv head, to attend to the leading pages that several of these
-        sequences share (a cached prompt prefix) once for all of them (:mod:`torch_zipkv.shared_prefix`); 0, or a
-        cache with sliding-window layers, or no such pages: every row attends to all its pages. ``rows``: the row
-        count a CUDA Graph pads the step to (``>= len(seq_ids)``), which that pass is laid out for."""
+        ``shared_prefix``: attend to the leading pages that several of these sequences share (a cached prompt prefix)
+        once for all of them (:mod:`torch_zipkv.shared_prefix`); False, or a cache with sliding-window layers, or no
+        such pages: every row attends to all its pages. ``rows``: the row count a CUDA Graph pads the step to
+        (``>= len(seq_ids)``), which that pass is laid out for."""
         batch = self._layouts.batch(seq_ids)
-        check_int("shared_prefix", shared_prefix, 0)
+        if not isinstance(shared_prefix, bool):
+            raise TypeError(f"shared_prefix must be a bool, got {type(shared_prefix).__name__}")
         rows = len(batch.seqs) if rows is None else rows
         check_int("rows", rows, len(batch.seqs))
         lens = self._pool.len[batch.rows]  # [B, layers]
@@ -386,7 +387,7 @@ class CompressedPagedKVCache:
         shared = None
         if shared_prefix and all(w is None for w in self.sliding_window):
             shared = shared_prefix_tables([s.pages for s in batch.seqs], start // self.page_size, rows,
-                                          shared_prefix, self.num_kv_heads, self.page_size, self.head_dim)
+                                          self.num_kv_heads, self.page_size, self.head_dim)
         if shared is not None:  # the step's page table: each row's pages after the prefix the pass covers
             tables[2], tables[4] = own_table(tables[2], tables[4], shared.pop("skip"))
         extra = [] if shared is None else [shared[k] for k in SHARED_TENSORS]

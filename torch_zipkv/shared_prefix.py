@@ -101,8 +101,8 @@ def find_group(pages: list[np.ndarray], full: np.ndarray) -> tuple[np.ndarray, i
     return best
 
 
-def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, group: int, num_kv_heads: int,
-                         page_size: int, head_dim: int) -> dict | None:
+def shared_prefix_tables(pages: list[np.ndarray], full: np.ndarray, rows: int, num_kv_heads: int, page_size: int,
+                         head_dim: int) -> dict | None:
     """The shared-prefix pass of a decode step of ``len(pages)`` rows laid out for ``rows`` >= that (a CUDA Graph's
     bucket: the padded rows share nothing), or None when no group qualifies (:func:`find_group`). Returns the host
     arrays ``prefix_ids`` (int32 [pages]), ``sharing`` (int32 [rows]), ``skip`` (int64

@@ -121,7 +121,7 @@ class Engine:
             compile = on_cuda and group is None
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        shared_prefix = heads // kv_heads if prefix_caching and heads and heads % kv_heads == 0 else 0
+        shared_prefix = bool(prefix_caching and heads and heads % kv_heads == 0)
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
                                   compile=compile, max_batch=max_batch, shared_prefix=shared_prefix)
         self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row,

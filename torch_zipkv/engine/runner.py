@@ -37,9 +37,9 @@ class ModelRunner:
     in place, so the host never waits for a token before launching the next step."""
 
     def __init__(self, model, kv, *, cuda_graphs: bool, compile: bool, max_batch: int | None,
-                 shared_prefix: int = 0):
+                 shared_prefix: bool = False):
         self.model, self.kv, self.device = model, kv, kv.device
-        self.shared_prefix = shared_prefix  # the model's GQA group: decode steps attend to shared pages once
+        self.shared_prefix = shared_prefix  # decode steps attend to the pages their rows share once
         self.shared_steps = 0  # decode steps that did
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
