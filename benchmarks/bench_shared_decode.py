@@ -68,10 +68,14 @@ def shared_pass(pages: list, shape: dict, device="cuda"):
     return tables, (*own_dev, torch.full((len(pages),), PAGE, dtype=torch.int32, device=device))
 
 
+_COMPILED_PASS = torch.compile(attend_shared, fullgraph=True)  # as the engine's compiled step runs it
+
+
 def pass_parts(q, ckv, tables, own, scale) -> dict:
-    """The shared-prefix pass whole (``all``) and its three parts as callables on fixed buffers: ``prefix`` (the
-    prefix's pages rebuilt into BF16 scratch and attended by every row at once), ``own`` (paged_decode over each
-    row's own pages) and ``merge``."""
+    """The shared-prefix pass whole (``all``; ``compiled``: through torch.compile, which fuses the merge's and the
+    layout's small kernels as in the engine's compiled step) and its three parts as callables on fixed buffers:
+    ``prefix`` (the prefix's pages rebuilt into BF16 scratch and attended by every row at once), ``own``
+    (paged_decode over each row's own pages) and ``merge``."""
     rows, heads = q.shape[0], q.shape[1]
     out_p, lse_p = attend_prefix(q, ckv.data, ckv.meta, PAGE, tables, scale)
     lse_o = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
@@ -81,6 +85,7 @@ def pass_parts(q, ckv, tables, own, scale) -> dict:
         torch_zipkv.ops.paged_decode(q, ckv.data, ckv.meta, *own, PAGE, sm_scale=scale, lse=lse_o, out=out_o)
 
     return {"all": lambda: attend_shared(q, ckv.data, ckv.meta, PAGE, tables, *own, sm_scale=scale),
+            "compiled": lambda: _COMPILED_PASS(q, ckv.data, ckv.meta, PAGE, tables, *own, sm_scale=scale),
             "prefix": lambda: attend_prefix(q, ckv.data, ckv.meta, PAGE, tables, scale), "own": own_pages,
             "merge": lambda: merge_parts(out_p, lse_p, out_o, lse_o)}
 
