@@ -96,6 +96,26 @@ def test_greedy_matches_generate(arch, case):
     assert 1 <= stats["largest_batch"] <= (eng.max_batch or len(prompts))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_prefill_chunks_of_several_requests_run_in_one_forward(arch, monkeypatch):
+    """The prompt chunks a step prefills, of several requests, run as one forward (their tokens one after another,
+    each attending to its own request's pages only): requests of 40, 7, 25 and 3 tokens added at once, 32 prefill
+    tokens a step, make steps of 1, 3 and 2 chunks, some ending their prompt and some not. The greedy tokens are
+    transformers' own, one request alone (gemma2: soft cap and sliding windows)."""
+    model, ref = model_and_reference(arch)
+    prompts = prompts_of(random.Random(5), [40, 7, 25, 3])
+    eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=32)
+    forwards = []
+    for_prefill = eng.runner.hf_cache.for_prefill
+    monkeypatch.setattr(eng.runner.hf_cache, "for_prefill", lambda chunks: (forwards.append(list(chunks)),
+                                                                             for_prefill(chunks))[1])
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [[n for _, _, n in f] for f in forwards] == [[32], [8, 7, 17], [8, 3]]
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == 6
+        ref.check(prompt, out.token_ids)
+
+
 def test_compressed_and_raw_give_the_same_tokens(llama):
     """compress=False keeps every page raw and is otherwise the same engine: the same tokens (the decode kernel reads
     both exactly), and the compressed engine's pages really compress."""

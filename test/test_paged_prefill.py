@@ -246,3 +246,32 @@ def test_compiled_prefill_has_no_graph_breaks(setup):
     compiled = torch.compile(step, fullgraph=True)
     args = (q, qo, ckv.data, ckv.meta, *table)
     assert torch.equal(compiled(*args), step(*args))
+
+
+def test_cache_prefill_of_several_sequences_is_each_ones_alone(gen):
+    """CompressedPagedKVCache.prefill over several sequences' last tokens in one call (q_lens each; 0 included) gives
+    each sequence what a call for it alone gives, bit for bit, over its compressed and raw pages; q_lens that do not
+    match the ids or q, or ask more tokens than a sequence holds, are refused."""
+    cache = torch_zipkv.CompressedPagedKVCache(2, 2, 64, page_size=16, device="cpu", max_bytes=16 << 20)
+    lens, q_lens = [40, 17, 33], [9, 0, 33]
+    sids = [cache.add_sequence(n) for n in lens]
+    for sid, n in zip(sids, lens):
+        for layer in range(2):
+            cache.append(layer, sid, *(torch.randn(n, 2, 64, generator=gen).bfloat16() for _ in range(2)))
+    cache.compress_full_pages()
+    q = torch.randn(sum(q_lens), 8, 64, generator=gen).bfloat16()
+    got = cache.prefill(1, q, sids, q_lens=q_lens, logits_soft_cap=5.0)
+    at = 0
+    for sid, m in zip(sids, q_lens):
+        if m:
+            alone = cache.prefill(1, q[at: at + m], sid, logits_soft_cap=5.0)
+            assert torch.equal(got[at: at + m].view(torch.int16), alone.view(torch.int16))
+        at += m
+    with pytest.raises(ValueError, match=r"q_lens must give the query tokens of each of the 3 seq_ids"):
+        cache.prefill(1, q, sids, q_lens=[9, 33])
+    with pytest.raises(ValueError, match=r"q_lens \[9, 1, 33\] sum to 43, but q has 42 rows"):
+        cache.prefill(1, q, sids, q_lens=[9, 1, 33])
+    with pytest.raises(ValueError, match="q has 42 query tokens for sequence .*, which holds 40"):
+        cache.prefill(1, q, sids[0])
+    with pytest.raises(ValueError, match="q_lens goes with a list of seq_ids"):
+        cache.prefill(1, q, sids[0], q_lens=[42])

@@ -332,20 +332,33 @@ class CompressedPagedKVCache:
                                 sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
                                 logits_soft_cap=logits_soft_cap)
 
-    def prefill(self, layer: int, q: torch.Tensor, seq_id: int, *, sm_scale: float | None = None,
+    def prefill(self, layer: int, q: torch.Tensor, seq_ids, *, q_lens=None, sm_scale: float | None = None,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                 logits_soft_cap: float = 0.0) -> torch.Tensor:
-        """Causal attention of ``q`` (bf16 [n, num_qo_heads, head_dim]), the queries of the last n tokens of ``seq_id``
-        in ``layer`` (appended before the call), over that sequence's pages as they are stored, compressed or raw
-        (the layer's sliding window applied; nothing is decompressed into scratch); see
-        :func:`torch_zipkv.ops.paged_prefill`. Returns bf16 [n, num_qo_heads, head_dim]."""
+        """Causal attention of ``q`` (bf16 [n, num_qo_heads, head_dim]), the queries of the last tokens of
+        ``seq_ids`` in ``layer`` (appended before the call), over each sequence's pages as they are stored, compressed
+        or raw (the layer's sliding window applied; nothing is decompressed into scratch); see
+        :func:`torch_zipkv.ops.paged_prefill`. ``seq_ids``: one id (all n queries are its last n tokens), or a list
+        with ``q_lens`` (the query tokens of each, in order, summing to n: several sequences' chunks in one call).
+        Returns bf16 [n, num_qo_heads, head_dim]."""
         check_query(q, self.num_kv_heads, self.head_dim, self.device, "n")
         n = q.shape[0]
-        if n > self.seq_len(layer, seq_id):
-            raise ValueError(f"q has {n} query tokens but sequence {seq_id} holds {self.seq_len(layer, seq_id)} in "
-                             f"layer {layer}: append the tokens' K/V first")
-        indptr, indices, last = self.page_table(layer, [seq_id])
-        qo_indptr, = self._upload(np.array([0, n], dtype=np.int32))
+        if is_int(seq_ids):
+            if q_lens is not None:
+                raise ValueError("q_lens goes with a list of seq_ids; one seq_id takes all of q's rows")
+            seq_ids, q_lens = [seq_ids], [n]
+        elif q_lens is None or len(q_lens) != len(seq_ids):
+            raise ValueError(f"q_lens must give the query tokens of each of the {len(seq_ids)} seq_ids, got {q_lens}")
+        for m in q_lens:
+            check_int("q_lens", m, 0)
+        if sum(q_lens) != n:
+            raise ValueError(f"q_lens {list(q_lens)} sum to {sum(q_lens)}, but q has {n} rows")
+        for sid, m in zip(seq_ids, q_lens):
+            if m > self.seq_len(layer, sid):
+                raise ValueError(f"q has {m} query tokens for sequence {sid}, which holds {self.seq_len(layer, sid)} "
+                                 f"in layer {layer}: append the tokens' K/V first")
+        indptr, indices, last = self.page_table(layer, seq_ids)
+        qo_indptr, = self._upload(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
         return ops.paged_prefill(q, qo_indptr, self.data, self.meta(layer), indptr, indices, last, self.page_size,
                                  sm_scale=sm_scale, out=out, lse=lse, window_left=self._window_left[layer],
                                  logits_soft_cap=logits_soft_cap)

@@ -7,10 +7,11 @@ hands its work to the ``zipkv_cache`` the cache's ``update`` put in the attentio
 - ``decode``: one token per batch row, through the cache's own decode path (``step_append`` and ``step_decode``, as
   ``ZipKVCache`` does) on the ``DecodeStep`` the engine set: the one ``prepare_step`` made, or a CUDA Graph's static
   step (``CompressedPagedKVCache.static_step``, padded rows included);
-- ``prefill``: one chunk of one request; the chunk's K/V are appended to the request's pages, then the chunk attends
-  to the request's tokens causally, with the layer's sliding window and Gemma 2's logit soft cap, straight from the
-  pages as they are stored (``CompressedPagedKVCache.prefill``, the ``paged_prefill`` op): nothing is decompressed
-  into scratch.
+- ``prefill``: one chunk of each of several requests, their tokens one after another in one row of the batch; each
+  chunk's K/V are appended to its request's pages, then every chunk attends to its own request's tokens causally,
+  with the layer's sliding window and Gemma 2's logit soft cap, straight from the pages as they are stored (one
+  ``CompressedPagedKVCache.prefill`` call, the ``paged_prefill`` op): nothing is decompressed into scratch. Only
+  attention mixes tokens, and it keeps to each request's own; positions come from ``position_ids``.
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ class EngineCache(Cache):
         self.kv = kv
         self.mode: str | None = None
         self.step: DecodeStep | None = None
-        self.seq_id: int | None = None
-        self.start = 0  # the prefill chunk's first position
+        self.chunks: list[tuple[int, int, int]] = []  # the prefill's (seq_id, first position, tokens), in order
 
     def for_decode(self, step: DecodeStep) -> None:
         self.mode, self.step = "decode", step
 
-    def for_prefill(self, seq_id: int, start: int) -> None:
-        self.mode, self.seq_id, self.start = "prefill", seq_id, start
+    def for_prefill(self, chunks: list[tuple[int, int, int]]) -> None:
+        """The next call prefills ``chunks``: (seq_id, first position, tokens) each, their tokens in this order."""
+        self.mode, self.chunks = "prefill", list(chunks)
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -83,15 +84,22 @@ class EngineCache(Cache):
         return self._prefill_chunk(module, layer, query, key, value, scaling, sliding_window, softcap)
 
     def _prefill_chunk(self, module, layer, query, key, value, scaling, window, softcap):
-        kv, sid = self.kv, self.seq_id
-        if query.shape[0] != 1:
-            raise ValueError(f"a prefill chunk is one request, got batch {query.shape[0]}")
-        if kv.seq_len(layer, sid) != self.start:
-            raise RuntimeError(f"the prefill chunk starts at position {self.start}, but sequence {sid} holds "
-                               f"{kv.seq_len(layer, sid)} tokens in layer {layer}")
-        # Append the chunk, then attend to the request's pages in place (earlier chunks compressed or raw, this one
-        # raw): paged_prefill applies the causal mask, the layer's window and the soft cap.
-        kv.append(layer, sid, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        q = query[0].transpose(0, 1).contiguous()  # [C, Hq, D]
-        out = kv.prefill(layer, q, sid, sm_scale=scaling, logits_soft_cap=float(softcap or 0.0))
-        return out[None], None  # [1, C, Hq, D]
+        kv = self.kv
+        total = sum(n for _, _, n in self.chunks)
+        if query.shape[0] != 1 or query.shape[2] != total:
+            raise ValueError(f"a prefill is one row of the chunks' {total} tokens, got query of shape "
+                             f"{tuple(query.shape)}")
+        # Append each chunk, then attend to each request's pages in place (earlier chunks compressed or raw, these
+        # raw): paged_prefill applies the causal mask per request, the layer's window and the soft cap.
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [total, Hkv, D]
+        at = 0
+        for sid, start, n in self.chunks:
+            if kv.seq_len(layer, sid) != start:
+                raise RuntimeError(f"the prefill chunk starts at position {start}, but sequence {sid} holds "
+                                   f"{kv.seq_len(layer, sid)} tokens in layer {layer}")
+            kv.append(layer, sid, k[at: at + n], v[at: at + n])
+            at += n
+        q = query[0].transpose(0, 1).contiguous()  # [total, Hq, D]
+        out = kv.prefill(layer, q, [sid for sid, _, _ in self.chunks], q_lens=[n for _, _, n in self.chunks],
+                         sm_scale=scaling, logits_soft_cap=float(softcap or 0.0))
+        return out[None], None  # [1, total, Hq, D]

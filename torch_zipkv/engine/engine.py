@@ -223,12 +223,15 @@ class Engine:
             launched.append((decoding, runner.decode(decoding)))
             sched.launched(decoding)
             self._largest_batch = max(self._largest_batch, len(decoding))
-        for req, start, n in sched.prefill_chunks(self.prefill_chunk):
-            first = runner.prefill(req, start, n)
-            self._prefilled += n
-            if sched.prefilled(req, n):
-                launched.append(([req], first))
-                sched.launched([req])
+        chunks = sched.prefill_chunks(self.prefill_chunk)
+        if chunks:  # every request's chunk in one forward
+            first = runner.prefill(chunks)
+            for req, _, n in chunks:
+                self._prefilled += n
+                sched.prefilled(req, n)
+            if first is not None:
+                launched.append(first)
+                sched.launched(first[0])
         previous, self._in_flight = self._in_flight, runner.launch_readback(launched)
         if previous is not None:
             reqs, tokens = runner.read_back(previous)

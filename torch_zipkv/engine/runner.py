@@ -123,19 +123,30 @@ class ModelRunner:
         self._next[req.slot] = req.prompt[-1]
         self._pos[req.slot] = n
 
-    def prefill(self, req: Request, start: int, n: int) -> torch.Tensor | None:
-        """Prefill prompt tokens ``start .. start + n`` of ``req`` (one forward, ``[1, n]``). When they end the
-        prompt, sample its first token on the device and return it (int64 [1]); else None."""
-        ids, = self._upload(np.asarray(req.prompt[start: start + n], dtype=np.int64))
-        pos = torch.arange(start, start + n, device=self.device)[None]
-        self.hf_cache.for_prefill(req.seq_id, start)
-        logits = self.model(input_ids=ids[None], position_ids=pos, use_cache=True, logits_to_keep=1,
-                            **{self._cache_kw: self.hf_cache}).logits[:, -1]
-        if start + n < len(req.prompt):
+    def prefill(self, chunks: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor] | None:
+        """Prefill prompt tokens ``start .. start + n`` of each ``(request, start, n)`` in ``chunks``, all in one
+        forward (their tokens one after another in a ``[1, total]`` row: one launch sequence, where a forward per
+        request left the host launching most of a prefill step). For the requests whose prompt this ends, sample the
+        first token on the device; returns (those requests, their tokens int64 [k]), or None if none ends."""
+        ids = np.concatenate([np.asarray(req.prompt[start: start + n], dtype=np.int64) for req, start, n in chunks])
+        pos = np.concatenate([np.arange(start, start + n, dtype=np.int64) for _, start, n in chunks])
+        ends, done, at = [], [], 0
+        for req, start, n in chunks:
+            at += n
+            if start + n == len(req.prompt):
+                ends.append(at - 1)
+                done.append(req)
+        keep = np.asarray(ends or [at - 1], dtype=np.int64)  # the logits sampled from (one, unused, if none ends)
+        ids, pos, keep = self._upload(ids, pos, keep)
+        self.hf_cache.for_prefill([(req.seq_id, start, n) for req, start, n in chunks])
+        logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=True, logits_to_keep=keep,
+                            **{self._cache_kw: self.hf_cache}).logits[0]
+        if not done:
             return None
-        slot = torch.full((1,), req.slot, dtype=torch.long, device=self.device)
-        self._pos[req.slot] = len(req.prompt) - 1
-        return self._sample_and_store(logits, slot, [req])
+        slots, last = self._upload(np.fromiter((r.slot for r in done), dtype=np.int64, count=len(done)),
+                                   np.fromiter((len(r.prompt) - 1 for r in done), dtype=np.int64, count=len(done)))
+        self._pos[slots] = last
+        return done, self._sample_and_store(logits, slots, done)
 
     def decode(self, batch: list[Request]) -> torch.Tensor:
         """One decode step of ``batch`` (one token each); returns the sampled tokens (int64 [B], on the device)."""

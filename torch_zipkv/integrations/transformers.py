@@ -411,12 +411,13 @@ class ZipKVCache(Cache):
         sequence's stored tokens and to each other, read from the pages in place (``paged_prefill``)."""
         if query.shape[0] != len(self.seq_ids):
             raise ValueError(f"query has batch {query.shape[0]}, the cache holds {len(self.seq_ids)} sequences")
-        outs = []
+        batch, n = query.shape[0], query.shape[2]
         for row, sid in enumerate(self.seq_ids):
             self.kv.append(layer, sid, key[row].transpose(0, 1), value[row].transpose(0, 1))
-            outs.append(self.kv.prefill(layer, query[row].transpose(0, 1).contiguous(), sid, sm_scale=scaling,
-                                        logits_soft_cap=float(softcap or 0.0)))
-        return torch.stack(outs), None  # [B, n, Hq, D]
+        q = query.transpose(1, 2).reshape(batch * n, query.shape[1], query.shape[3])  # [B n, Hq, D], row by row
+        out = self.kv.prefill(layer, q, self.seq_ids, q_lens=[n] * batch, sm_scale=scaling,
+                              logits_soft_cap=float(softcap or 0.0))
+        return out.view(batch, n, *out.shape[1:]), None  # [B, n, Hq, D]
 
 
 def kv_geometry(model) -> tuple[int, int, int, list[int | None]]:
