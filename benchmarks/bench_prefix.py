@@ -100,9 +100,9 @@ class StepTrace:
         self._cur["decode_rows"] = len(batch)
         return self._decode(batch)
 
-    def _traced_prefill(self, req, start, n):
-        self._cur["prefill_tokens"] += n
-        return self._prefill(req, start, n)
+    def _traced_prefill(self, chunks):
+        self._cur["prefill_tokens"] += sum(n for _, _, n in chunks)
+        return self._prefill(chunks)
 
     def _traced_rb(self, in_flight):
         t = time.perf_counter()

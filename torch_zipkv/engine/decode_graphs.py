@@ -69,8 +69,7 @@ class _Buffers:
             self.shared = SharedTables(ids, torch.zeros(batch, **i32), rows=batch, sharing_rows=0, shared_pages=0)
             if dynamic:  # one compilation for every bucket and prefix length
                 for t in (ids, self.shared.sharing):
-                    for dim in range(t.dim()):
-                        torch._dynamo.maybe_mark_dynamic(t, dim)
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         self.step = kv.static_step(self.page_ids, self.slots, self.indptr, self.indices, self.last, self.shared)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
