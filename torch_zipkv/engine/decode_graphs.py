@@ -15,7 +15,9 @@ it neither writes into a real page nor is read back; its logits are dropped.
 
 A step with a shared-prefix pass (``DecodeStep.shared``, laid out for the bucket's rows: the padded rows join the
 rows that share nothing) runs in buffer sets of its own, keyed also by the length of its prefix table; its tables are
-copied like the others.
+copied like the others. A compiled engine that may run the pass compiles both variants at its first decode step
+(the one it meets first, and the other over the pad page): the shared variant is a dynamo graph of its own, and
+compiling it when rows first share a prefix stalled a step in the middle of serving (90 s on the 8B model).
 
 ``kv_indices`` is sized to the next power of two of the step's table, so the decode kernel's launch plan (read from
 the shapes) stays close to what the eager step would pick, with few captures.
@@ -31,6 +33,7 @@ import time
 
 import torch
 
+from ..shared_prefix import MIN_PAGES
 from ..shared_prefix import TENSORS as SHARED_TENSORS
 from ..shared_prefix import SharedTables
 
@@ -79,11 +82,14 @@ class DecodeGraphs:
     """Runs the decode steps of the paged cache ``kv`` over padded static buffers. ``forward(ids [Bp, 1], pos [Bp, 1],
     step) -> logits [Bp, vocab]`` runs the model once (the engine's decode forward) on a DecodeStep of ``kv``.
     ``capture``: replay CUDA Graphs (else call ``forward`` on the buffers); ``compiled``: ``forward`` is
-    ``torch.compile``d (dynamic buffers, buckets from 2)."""
+    ``torch.compile``d (dynamic buffers, buckets from 2); ``shared_prefix``: steps may carry a shared-prefix pass
+    (a compiled forward then compiles both variants at the first step)."""
 
-    def __init__(self, forward, kv, *, max_batch: int, pad_page: int, capture: bool, compiled: bool):
+    def __init__(self, forward, kv, *, max_batch: int, pad_page: int, capture: bool, compiled: bool,
+                 shared_prefix: bool = False):
         self.forward, self.kv, self.pad_page, self.device = forward, kv, pad_page, kv.device
         self.capture, self.compiled = capture, compiled
+        self._compile_both = compiled and shared_prefix
         self.buckets = bucket_sizes(max_batch, 2 if compiled else 1)
         self.buffers: dict[tuple[int, int], _Buffers] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -101,9 +107,12 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
 
-    def _make(self, batch: int, width: int, shared: tuple | None) -> _Buffers:
+    def _make(self, batch: int, width: int, shared: tuple | None, run: bool = False) -> _Buffers:
+        """A buffer set, captured (``capture``) or, with ``run``, its forward run once on padded rows (compiling it)."""
         g = _Buffers(self.kv, batch, width, self.pad_page, self.compiled, shared)
         if not self.capture:
+            if run:
+                self.forward(g.ids, g.pos, g.step)
             return g
         # Every row is a padded row while capturing: the warm-up run writes only into the pad page.
         side = torch.cuda.Stream(self.device)
@@ -133,6 +142,11 @@ class DecodeGraphs:
         if g is None:
             t = time.perf_counter()
             g = self.buffers[(bp, width, shared)] = self._make(bp, width, shared)
+            if self._compile_both:  # the other variant now, not when it first comes in the middle of serving
+                other = (MIN_PAGES,) if shared is None else None
+                if (bp, width, other) not in self.buffers:
+                    self.buffers[(bp, width, other)] = self._make(bp, width, other, run=True)
+                self._compile_both = False
             self.setup_s += time.perf_counter() - t
         g.ids[:b, 0].copy_(ids)
         g.pos[:b, 0].copy_(pos)

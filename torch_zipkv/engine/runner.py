@@ -60,7 +60,7 @@ class ModelRunner:
             forward = torch.compile(_own_code(self._decode_forward), fullgraph=True) if compile else \
                 self._decode_forward
             self.graphs = DecodeGraphs(forward, kv, max_batch=max_batch or _UNLIMITED_BATCH, pad_page=pad_page,
-                                       capture=cuda_graphs, compiled=compile)
+                                       capture=cuda_graphs, compiled=compile, shared_prefix=shared_prefix)
         self._rows = 0
         self._free_rows: list[int] = []
         self._grow_tables(64)
