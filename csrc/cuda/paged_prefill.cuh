@@ -37,6 +37,7 @@
 #include "../format.h"
 #include "block_io.cuh"
 #include "request_search.cuh"
+#include "wgmma.cuh"
 
 namespace zipkv::cuda::prefill {
 
@@ -70,6 +71,11 @@ struct Params {
 
 template <int D>
 struct Cfg {
+  // d 128: S = Q K^T and O += P V as warpgroup MMAs, K and V tiles read by descriptor from 128-byte-swizzled
+  // shared memory, once per warpgroup of 64 rows. d 256 (O alone would be 128 registers a thread) and d 64 use
+  // mma.sync: the same code with d 64 was wrong from the second chunk on, in every row, when the warpgroup's 64 rows
+  // all held queries (S nonzero with Q = 0: docs/performance.md), not yet understood.
+  static constexpr bool kWgmma = D == 128;
   static constexpr int kKV = D == 256 ? 32 : 64;  // key tokens per chunk (d 256: registers and shared memory)
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
@@ -78,9 +84,11 @@ struct Cfg {
   static constexpr int kStride = D + 8;                // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
   static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
   static constexpr int kQBytes = kRows * kStride * 2;
-  static constexpr int kKVBytes = kKV * kStride * 2;  // one K or V tile
+  static constexpr int kKVBytes = kKV * (kWgmma ? D : kStride) * 2;  // one K or V tile
   static constexpr int kDescBytes = 32;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + 4 * kKVBytes + kDescRing * kDescBytes;
+  static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
+  static constexpr int kSmemBytes = kAlign + 4 * kKVBytes + kStages * kStageBytes + kQBytes + kDescRing * kDescBytes;
+  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && D == 128), "whole swizzle atoms per tile, O as m64n128");
   static_assert(kBlocks <= 32 && kBlocks <= kDescBytes, "a producer lane plans each block of a chunk");
   static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
   static_assert(kStages >= 2 && kStages <= kDescRing, "a chunk's descriptors outlive its staging");
@@ -140,6 +148,34 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------- KV chunk
+// The wgmma tiles' layout (wgmma.cuh): a K or V tile of kKV tokens is D / 64 column blocks of [kKV][64] bf16, each
+// row 128 bytes with its 16-byte chunks swizzled by the token. The offset (bf16) of (token, dims dim..dim + 7).
+template <int D>
+__device__ __forceinline__ int swizzled(int token, int dim) {
+  return (dim / 64) * (Cfg<D>::kKV * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+}
+
+// block_io.cuh's store_lane_words into the swizzled tile: the block of tokens tok0.. and dims dim0.. (32 dims).
+template <int D>
+__device__ __forceinline__ void store_lane_words_swizzled(uint16_t* tile, int is_v, int lane, const uint32_t w[8],
+                                                          int tok0, int dim0) {
+  const int j = lane / 8, r = lane % 8;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int tok = tok0 + (is_v ? 8 * (j / 2) : 8 * (j % 2)) + r, chunk = 2 * c + (is_v ? j % 2 : j / 2);
+    const uint32_t a = smem_u32(tile + swizzled<D>(tok, dim0 + 8 * chunk));
+    if (is_v) {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
+                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+                   : "memory");
+    } else {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
+                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
+                   : "memory");
+    }
+  }
+}
+
 // Block j of the chunk at key token c0: which of the chunk's 16-token tiles, K or V, which 32-dim span.
 template <int D>
 struct BlockOf {
@@ -231,8 +267,13 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
     decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
                 *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
   }
-  uint16_t* base = (is_v ? vs : ks) + tile * kTileTokens * C::kStride + span * kBlockDims;
-  store_lane_words(reinterpret_cast<uint32_t*>(base), is_v, lane, w, C::kStride / 2);
+  uint16_t* const dst = is_v ? vs : ks;
+  uint16_t* base = dst + tile * kTileTokens * C::kStride + span * kBlockDims;
+  if constexpr (C::kWgmma) {
+    store_lane_words_swizzled<D>(dst, is_v, lane, w, tile * kTileTokens, span * kBlockDims);
+  } else {
+    store_lane_words(reinterpret_cast<uint32_t*>(base), is_v, lane, w, C::kStride / 2);
+  }
   const int64_t tok = c0 + int64_t{tile} * kTileTokens;
   if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
     __syncwarp();
@@ -241,20 +282,33 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int piece = lane + 32 * k, row = piece / 4;
-      if (row >= valid) *reinterpret_cast<uint4*>(base + row * C::kStride + (piece % 4) * 8) = make_uint4(0, 0, 0, 0);
+      if (row < valid) continue;
+      uint16_t* at = C::kWgmma ? dst + swizzled<D>(tile * kTileTokens + row, span * kBlockDims + (piece % 4) * 8)
+                               : base + row * C::kStride + (piece % 4) * 8;
+      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
     }
   }
   return desc == kDescBad;
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
+// Q's A fragments of a warp's 16 rows, k-step k (16 dims), from the Q tile.
+template <int D>
+__device__ __forceinline__ void load_q_fragment(uint32_t a[4], const uint16_t* qs, int warp, int lane, int k) {
+  ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * Cfg<D>::kStride + k * 16 + (lane / 16) * 8);
+}
+
 // One compute warp's 16 rows: O += softmax(Q K^T) V over one chunk of K/V tiles (ks, vs) at key c0, the online softmax
 // state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for some
-// row of the warp; rel_pos: the rows' positions relative to c0 (clamped), kv_rem: kv_len - c0 (clamped).
+// row of the warp; rel_pos: the rows' positions relative to c0 (clamped), kv_rem: kv_len - c0 (clamped). With wgmma
+// the four warps of a warpgroup call it together (qa: the warp's Q fragments, held in registers); else each warp
+// alone, Q's fragments read from qs.
 template <int D>
-__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs, const uint16_t* ks,
-                                             const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
-                                             int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
+__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs,
+                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4],
+                                             const uint16_t* ks, const uint16_t* vs, int warp, int lane, bool masked,
+                                             const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
+                                             float l_run[2]) {
   using C = Cfg<D>;
   constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
   const int t = lane % 4;
@@ -263,10 +317,23 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   float s[kSN][4];
 #pragma unroll
   for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  if constexpr (C::kWgmma) {
+    // K-major B: the K tile's rows are keys; k-step k is 32 bytes into the swizzle row of column block k / 4.
+    const uint32_t kb = smem_u32(ks);
+    fence_accumulators(s);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      wgmma_m64n64k16(s, qa[k], smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_accumulators(s);
+  } else {
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
     uint32_t a[4];
-    ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + k * 16 + (lane / 16) * 8);
+    load_q_fragment<D>(a, qs, warp, lane, k);
 #pragma unroll
     for (int n = 0; n < kSN / 2; ++n) {
       uint32_t bk[4];
@@ -274,6 +341,7 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
       mma(s[2 * n], a, bk[0], bk[1]);
       mma(s[2 * n + 1], a, bk[2], bk[3]);
     }
+  }
   }
 
   // Logits in base 2, masked where the chunk needs it; online softmax per row (a lane holds 2 rows, the 4 lanes of a
@@ -319,17 +387,34 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   }
 
   // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
+  uint32_t pa[C::kKV / 16][4];
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
-    const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                           pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                           pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+  if constexpr (C::kWgmma) {
+    // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
+    const uint32_t vb = smem_u32(vs);
+    fence_accumulators(o);
+    wgmma_fence();
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) {
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + n * 16 + (lane / 16) * 8);
-      mma(o[2 * n], a, bv[0], bv[1]);
-      mma(o[2 * n + 1], a, bv[2], bv[3]);
+    for (int kk = 0; kk < C::kKV / 16; ++kk) {
+      wgmma_m64n128k16_mn(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_accumulators(o);
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < C::kKV / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < D / 16; ++n) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, vs + (kk * 16 + lane % 8 + (lane / 8 % 2) * 8) * C::kStride + n * 16 + (lane / 16) * 8);
+        mma(o[2 * n], pa[kk], bv[0], bv[1]);
+        mma(o[2 * n + 1], pa[kk], bv[2], bv[3]);
+      }
     }
   }
 }
@@ -338,11 +423,14 @@ template <int D>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
   constexpr int kS = C::kStages;
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* stages = smem;                                                               // [kS][kStageBytes]
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + kS * C::kStageBytes);               // [kRows][kStride]
-  uint16_t* kv_tiles = qs + kRows * C::kStride;                                         // [2][K, V][kKV][kStride]
-  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(kv_tiles + 4 * C::kKV * C::kStride);  // [kDescRing][kDescBytes]
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
+  constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
+  uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
+  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                     // [2][K, V][kKVBytes]
+  uint8_t* stages = smem + 4 * C::kKVBytes;                                   // [kS][kStageBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);   // [kRows][kStride]
+  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);  // [kDescRing][kDescBytes]
   __shared__ int s_request, s_tile, s_bad;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -392,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int64_t c_first = lo / kTileTokens * kTileTokens;
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
-  const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * C::kKV * C::kStride; };
+  const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * (C::kKVBytes / 2); };
 
   if (warp == kProducer) {
     // ---- The producer: plans kS + 1 chunks ahead, copies kS ahead, waits for them two ahead of their multiply.
@@ -429,12 +517,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
   // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
-  // whether any of its rows is real.
+  // whether any of its rows is real. A chunk is skipped, or the rows multiplied at all, by the unit that issues the
+  // MMAs together: the warpgroup of 64 rows with wgmma, else the warp.
   const bool warp_active = warp * 16 < rows;
   int64_t pos_row[2];
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) pos_row[h2] = pos0 + (warp * 16 + g + 8 * h2) / group;
   const int64_t wpos_lo = pos0 + warp * 16 / group, wpos_hi = pos0 + (warp * 16 + 15) / group;
+  constexpr int kUnitRows = C::kWgmma ? 64 : 16;
+  const int unit_row0 = warp * 16 / kUnitRows * kUnitRows;
+  const bool unit_active = unit_row0 < rows;
+  const int64_t upos_lo = pos0 + unit_row0 / group, upos_hi = pos0 + (unit_row0 + kUnitRows - 1) / group;
 
   float o[D / 8][4];
 #pragma unroll
@@ -450,9 +543,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       const int j = warp * kPerWarp + i;
       refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
     }
+    if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
   __syncthreads();  // Q staged, chunks 0 and 1 landed
+  uint32_t qa[C::kWgmma ? D / 16 : 1][4];  // wgmma: the warp's Q fragments, held for every chunk
+  if constexpr (C::kWgmma) {
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) load_q_fragment<D>(qa[k], qs, warp, lane, k);
+  }
   if (chunks > 0) rebuild_chunk(0);
   __syncthreads();
   for (int ci = 0; ci < chunks; ++ci) {
@@ -460,8 +559,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     const int64_t c0 = chunk_key(ci);
     // Which rows of the warp this chunk reaches: all keys masked for every row (causal: past the last row; window:
     // before the first row's window) skip the chunk; masks only where some key of some row falls outside.
-    const bool none = (p.causal && c0 > wpos_hi) || (p.window_left >= 0 && c0 + C::kKV - 1 < wpos_lo - p.window_left);
-    if (warp_active && !none) {
+    const bool none = (p.causal && c0 > upos_hi) || (p.window_left >= 0 && c0 + C::kKV - 1 < upos_lo - p.window_left);
+    if (unit_active && !none) {
       const bool masked = c0 + C::kKV > kv_len || (p.causal && c0 + C::kKV - 1 > wpos_lo) ||
                           (p.window_left >= 0 && c0 < wpos_hi - p.window_left);
       constexpr int64_t kFar = int64_t{1} << 30;  // past any key of a chunk, and any window
@@ -469,7 +568,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
       const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
-      attend_chunk<D>(p, qs, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run, l_run);
+      attend_chunk<D>(p, qs, qa, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run,
+                      l_run);
     }
     __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, chunk ci + 2 landed
   }
