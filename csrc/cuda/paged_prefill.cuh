@@ -1,8 +1,9 @@
 // The kernel of zipkv::paged_prefill: attention of many query tokens per request over compressed and raw pages.
 //
 // Prefill is compute-bound, so the KV is rebuilt once per CTA into BF16 shared memory and read from there by the
-// ordinary ldmatrix + mma.sync path (the answer FlashInfer gave for FP8 KV: rebuilding per fragment inside the MMA
-// loop made its FP8 prefill slower than BF16). Nothing is decompressed to global memory.
+// tensor cores (the answer FlashInfer gave for FP8 KV: rebuilding per fragment inside the MMA loop made its FP8
+// prefill slower than BF16): at head_dim 128 by warpgroup MMAs from 128-byte-swizzled tiles (wgmma.cuh), else by
+// ldmatrix + mma.sync. Nothing is decompressed to global memory.
 //
 // Work split: one CTA per (tile of a request's query tokens, kv head). The M dimension packs the tile's query tokens
 // times the GQA group's heads (row r = token r / group, head r % group), 16 rows per warp, 8 compute warps: so each K/V
@@ -20,7 +21,8 @@
 // [token][dim] order), so the ALU work of the rebuild and the tensor work of the MMA interleave on each SM. (With
 // the copies, plans and rebuild of each chunk waited on in turn by the same 4 warps, three barriers a chunk, the
 // kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".) S = Q K^T and O += P V follow
-// FlashAttention-2: Q and K fragments by ldmatrix, V by ldmatrix.trans, P from S's accumulators in registers, an
+// FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q's fragments held in
+// registers, K and V read by descriptor once per warpgroup of 64 rows), P from S's accumulators in registers, an
 // online softmax in float32 (base 2) per row; the position masks are computed only for a warp's chunks that cross
 // the causal diagonal, a window edge or kv_len, in 32-bit arithmetic relative to the chunk.
 //

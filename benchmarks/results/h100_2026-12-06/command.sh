@@ -14,6 +14,17 @@
 #   call 5 (e9490c5, kind nvidia-h100-x1): COMMIT=e9490c5 bash run5.sh -> bench_shared_decode_dense_parts.json (the
 #                     dense pass cut into runs; the whole grid valid), test_dense_pass.log (17 passed; the engine's
 #                     graphed shared-prefix test: 1 passed)
+#   later the same day, kind nvidia-h100-x1, each an H100 80GB HBM3:
+#   call 6 (b9fa5f7): COMMIT=b9fa5f7 bash run6.sh -> bench_shared_decode_compiled.json (the dense one-run pass, eager
+#                     and compiled in a CUDA Graph as the engine runs it), bench_prefix_shared_variant_compile_stall.json
+#                     (one step of 89.7 s: the shared-prefix variant of the compiled step compiled when rows first
+#                     shared a prefix; its raw job was cut by --time-limit); the GPU test files passed (1 skipped)
+#   call 7 (the wgmma tile kernel at d 64 and 128, uncommitted): run7.sh -> test_paged_prefill_cuda failed at d 64
+#   calls 8, 9 (the same tree): probe_wgmma_d64.py (two sets of cases) -> d 128 right everywhere; d 64 right for one
+#                     chunk and for 32 query rows, wrong from the second chunk when the warpgroup's 64 rows hold
+#                     queries, and with Q = 0 its lse was off (S not 0): kept off wgmma (c755f3a)
+#   call 10 (c755f3a, labelled 74c7575+wgmma128): COMMIT=... bash run9.sh -> ../bench_prefill_wgmma_h100.json,
+#                     ../bench_prefix_h100.json/.md/.png; test_paged_prefill_cuda + test_engine_cuda passed (1 skipped)
 
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
@@ -91,4 +102,44 @@ timeout 40 python3 -m pytest test/test_shared_prefix.py test/test_cuda.py -q -p 
   | tee "$OUT/test_pass.log" | tail -3
 echo "tests at $SECONDS s"
 timeout 60 python3 -m pytest test/test_engine_cuda.py -q -p no:cacheprovider -k shared -rfE 2>&1 | tee "$OUT/test_engine.log" | tail -3
+echo "all $SECONDS s"
+
+# ---- .box/run6.sh
+# Measure b9fa5f7: the GPU tests after the one-forward prefill and the dense pass; bench_shared_decode (the pass
+# compiled in a CUDA Graph); bench_prefix's shared load, compressed + caching against raw + caching.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix" "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 130 python3 -m pytest test/test_engine_cuda.py test/test_paged_prefill_cuda.py test/test_shared_prefix.py \
+  test/test_decode_cuda.py test/test_cuda.py test/test_errors.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -15
+echo "tests at $SECONDS s"
+timeout 80 python3 benchmarks/bench_shared_decode.py --out "$OUT" --iters 20 2>&1 | tee "$OUT/bench_shared_decode.log" \
+  | grep -v "Warn\|warn" | tail -12
+echo "bench at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit ${PREFIX_LIMIT:-270} 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -14
+echo "all $SECONDS s"
+
+# ---- .box/run9.sh
+# The prefill tile kernel with wgmma at d 128: its CUDA tests and the engine's; bench_prefill --quick (FlashInfer in
+# the same run); if the tests pass, bench_prefix's shared load, compressed + caching against raw + caching.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix" "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 130 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -12
+ok=${PIPESTATUS[0]}
+echo "tests rc=$ok at $SECONDS s"
+timeout 170 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -14
+echo "bench at $SECONDS s"
+[ "$ok" = 0 ] || exit 0
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit $((575 - SECONDS)) 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -14
 echo "all $SECONDS s"
