@@ -818,6 +818,32 @@ def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
         check_all(c, kept)
 
 
+def test_compression_without_waiting_starts_two_rounds_at_most_and_leaves_the_rest(monkeypatch):
+    """compress_full_pages(wait=False) never places a round it started in the same call (on CUDA that waits for the
+    device, which stalled each such engine step): with 8 full pages and rounds of 2, a call starts 2 rounds, places
+    none and leaves 4 pages waiting (compression_backlog, the layers' waiting_full_pages); the next call places those
+    rounds and starts the rest; the contents stay intact throughout."""
+    monkeypatch.setattr(compression_rounds, "ROUND_BYTES", 2 * PAGE_BYTES)
+    cache = make(layers=2, chunks=24, chunk_pages=4)
+    kept = {}
+    for sid, n in ((cache.add_sequence(40), 40), (cache.add_sequence(33), 33)):  # 2 full pages each, per layer
+        for layer in range(2):
+            kept[(sid, layer)] = tokens(10 * layer + sid, n, H, D)
+            cache.append(layer, sid, *kept[(sid, layer)])
+    assert cache.compression_backlog() == 8
+    placed = [cache.compress_full_pages(wait=False)]
+    assert placed == [0] and cache.compression_backlog() == 4
+    layers = cache.stats()["layers"]
+    assert sum(x["waiting_full_pages"] for x in layers) == 4 and sum(x["compressing_pages"] for x in layers) == 4
+    check_all(cache, kept)
+    placed.append(cache.compress_full_pages(wait=False))
+    assert placed == [0, 4] and cache.compression_backlog() == 0
+    check_all(cache, kept)
+    placed.append(cache.compress_full_pages(wait=False))
+    assert placed == [0, 4, 4] and all(x["stored_bytes"] < x["raw_bytes"] for x in cache.stats()["layers"])
+    check_all(cache, kept)
+
+
 def test_uploads_come_back_as_sent():
     """The cache's host-to-device copy: arrays of both index dtypes, any shape, empty ones too, as views of one
     buffer with their dtype and shape."""

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from torch_zipkv import compression_rounds  # noqa: E402
 from torch_zipkv.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from torch_zipkv.engine.sampling import sample  # noqa: E402
 
@@ -131,6 +132,28 @@ def test_compressed_and_raw_give_the_same_tokens(llama):
             raw.append(o)
         assert b.kv.stats()["stored_bytes"] == b.kv.stats()["raw_bytes"]
     assert got == [o.token_ids for o in sorted(raw, key=lambda o: o.request_id)]
+
+
+def test_a_compression_backlog_is_taken_on_at_the_next_steps(llama, monkeypatch):
+    """A compression call that leaves full pages waiting (more than two rounds' worth: here rounds of 2 pages) is
+    followed by one at each next step until none wait, not left for the next scheduled call; the tokens are
+    transformers'."""
+    model, ref = llama
+    eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=512, compress_every=4)
+    monkeypatch.setattr(compression_rounds, "ROUND_BYTES", 2 * eng.kv._store.page_bytes)
+    prompt = prompts_of(random.Random(8), [200])[0]  # 12 full pages in each layer after its prefill
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=16))
+    backlog, final = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            final = out if out.finished else final
+        backlog.append(eng.kv.compression_backlog())
+    full = 12 * eng.kv.num_layers  # a call starts 2 rounds of 2 pages: 4
+    # steps 1-3 (prefill, decode): no call; step 4's call; steps 5-7: one each, for the backlog (page 13 fills later)
+    assert backlog[:7] == [full] * 3 + [full - 4, full - 8, full - 12, full - 16], backlog
+    assert min(backlog[7:]) == 0, backlog
+    assert final.request_id == rid
+    ref.check(prompt, final.token_ids)
 
 
 def test_kv_source_matches_prefill(llama):

@@ -513,7 +513,9 @@ class CompressedPagedKVCache:
         needs their compressed sizes on the host. ``wait=True`` waits for them (a device sync) and places every
         page now. ``wait=False`` never waits: it places the rounds of earlier calls whose sizes have arrived and
         leaves this call's to a later call (on CPU: always the next); meanwhile those pages stay raw where they
-        are, correct to read, and their bytes come back one call later. A decode loop calls it so.
+        are, correct to read, and their bytes come back one call later. It starts at most two rounds (512 MiB of
+        raw pages); the pages past them wait for the next call (:meth:`compression_backlog`). A decode loop calls
+        it so.
         """
         self._end_steps()
         self._free_out_of_window()
@@ -524,6 +526,11 @@ class CompressedPagedKVCache:
         if spare:
             self._move_pages(lambda layer: self._arena.drain_slots(layer, slack=1), spare)
         return placed
+
+    def compression_backlog(self) -> int:
+        """Full pages (of all layers) that :meth:`compress_full_pages` has not started compressing: more than a call
+        without waiting takes on. A loop that sees some calls it again at its next step."""
+        return self._compression.backlog()
 
     def _forget_pages(self, layer: int, pages: np.ndarray) -> None:
         """Free ``layer``'s ``pages`` in the arena and drop them from the full pages waiting for compression and from

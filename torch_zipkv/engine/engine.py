@@ -53,7 +53,8 @@ class Engine:
             on without tensor parallelism.
         tokenizer: for str prompts and ``RequestOutput.text``.
         page_size: tokens per page (a multiple of 16).
-        compress_every: steps between compression rounds.
+        compress_every: steps between calls that compress the full pages (never waiting for the device); a call that
+            leaves pages waiting (more than two rounds of 256 MiB) is followed by another at the next step.
         seed: seeds the draws of requests that give no seed.
         kv_chunk_bytes: the cache's arena chunk (default: sized from the budget, see
             :class:`~torch_zipkv.CompressedPagedKVCache`).
@@ -96,6 +97,7 @@ class Engine:
         self.model = enable(model)  # refuses, before anything is built, a model the cache cannot serve (not bf16, ...)
         self.tokenizer = tokenizer
         self.compress, self.compress_every = compress, compress_every
+        self._compression_backlog = False  # full pages the last compression call left waiting
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         config = model.config.get_text_config()
@@ -213,8 +215,10 @@ class Engine:
         if self._tp is not None:
             self._tp.sync(self._steps)
         self._steps += 1
-        if self.compress and self._steps % self.compress_every == 0:
+        # Every compress_every steps, and every step while full pages wait beyond what one call takes on.
+        if self.compress and (self._steps % self.compress_every == 0 or self._compression_backlog):
             self.kv.compress_full_pages(wait=False)
+            self._compression_backlog = self.kv.compression_backlog() > 0
         self._admit()
         sched, runner = self.scheduler, self.runner
         launched = []  # (requests, their sampled tokens on the device)

@@ -172,6 +172,7 @@ class ZipKVCache(Cache):
         self.max_new_tokens = max_new_tokens
         self.compress_every = compress_every
         self.steps = 0  # decode steps planned since the prefill
+        self._backlog = False  # full pages the last compression call left waiting
         self.seq_ids: list[int] | None = None  # one per batch row, set at prefill
         self.step = None  # the current decode step (CompressedPagedKVCache.prepare_step)
         self.planned = False  # begin_step ran for the coming decode step: the model call is a decode step
@@ -305,16 +306,18 @@ class ZipKVCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def begin_step(self) -> None:
-        """Host work of one decode step, for every layer: every ``compress_every`` steps, compress the pages filled
-        since (after the attention that read them; without waiting for the device, see
+        """Host work of one decode step, for every layer: every ``compress_every`` steps, and every step while full
+        pages wait beyond what one call takes on (after a long prefill), compress the pages filled since (after the
+        attention that read them; without waiting for the device, see
         :meth:`~torch_zipkv.CompressedPagedKVCache.compress_full_pages`), then plan where each sequence's next token
         goes and the page table (:meth:`~torch_zipkv.CompressedPagedKVCache.prepare_step`). A decode step's layer-0
         update calls it; call it yourself before a compiled or graph-captured decode step, so the step itself only
         runs tensor ops."""
         if self.seq_ids is None:
             raise RuntimeError("ZipKVCache.begin_step before any prefill")
-        if self.steps % self.compress_every == 0:  # never waits for the device: a round is placed a call later
-            self.kv.compress_full_pages(wait=False)
+        if self.steps % self.compress_every == 0 or self._backlog:
+            self.kv.compress_full_pages(wait=False)  # never waits for the device: a round is placed a call later
+            self._backlog = self.kv.compression_backlog() > 0
         self.step = self.kv.prepare_step(self.seq_ids)
         self.steps += 1
         self.planned = True
@@ -325,7 +328,7 @@ class ZipKVCache(Cache):
             self.kv.free_sequence(sid)
         self.seq_ids = self.step = None
         self.steps = 0
-        self.planned = self.touched = self.continuing = False
+        self.planned = self.touched = self.continuing = self._backlog = False
         self.positions.zero_()
         super().reset()
 
