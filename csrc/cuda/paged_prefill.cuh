@@ -200,59 +200,26 @@ struct BlockPlan {
   uint32_t desc;
 };
 
-// A block's plan is made in two steps, a chunk apart, so that the producer never waits on a load in the step that
-// issues it: first every word of its stream's meta row is loaded, none of them branched on (one round trip, where
-// format.h's read_stream takes one per word behind its checks), then the plan is computed from the words in
-// registers: the same checks (a missing stream, another geometry or version, an invalid descriptor, a stream past
-// the end of data) and the block's offset.
-enum WordsState : int { kWordsSkip = 0, kWordsBadPage = 1, kWordsLoaded = 2 };
-
 template <int D>
-struct MetaWords {
-  static constexpr int kDescs = kMaxPageSize / kTileTokens * (D / kBlockDims);  // of the longest meta row
-  static constexpr int kWords = kMetaHeaderWords + (kDescs + 3) / 4;
-  int32_t w[kWords];
-  int state;  // WordsState
-};
-
-template <int D>
-__device__ __forceinline__ void load_meta_words(const Params& p, int head, int64_t c0, int64_t hi, int j, int32_t page,
-                                                MetaWords<D>& m) {
-  const BlockOf<D> blk(j);
-  const bool inside = j < Cfg<D>::kBlocks && c0 + int64_t{blk.tile} * kTileTokens < hi;
-  const bool ok = inside && page >= 0 && page < p.num_pages;
-  m.state = !inside ? kWordsSkip : ok ? kWordsLoaded : kWordsBadPage;
-  const int32_t* row = p.meta + ((int64_t{ok ? page : 0} * 2 + blk.is_v) * p.H + head) * p.words;
-#pragma unroll
-  for (int i = 0; i < MetaWords<D>::kWords; ++i) m.w[i] = ok && i < p.words ? __ldg(row + i) : 0;
-}
-
-template <int D>
-__device__ __forceinline__ BlockPlan plan_block(const Params& p, int64_t c0, int j, const MetaWords<D>& m) {
-  BlockPlan plan{0, kDescSkip};
-  if (m.state == kWordsSkip) return plan;
-  plan.desc = kDescBad;
-  if (m.state != kWordsLoaded || m.w[0] < 0 || tag_status(m.w[1], p.page_size, D) != kStreamOk) return plan;
+__device__ __forceinline__ BlockPlan plan_block(const Params& p, int head, int64_t c0, int64_t hi, int j,
+                                                int32_t page) {
   const BlockOf<D> blk(j);
   const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
-  const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
-  const int nblocks = blocks_per_stream(p.page_size, D);
-  int total = 0, offset = 0;
-  uint32_t desc_b = kDescBad;
-  bool valid = true;
-#pragma unroll
-  for (int i = 0; i < MetaWords<D>::kDescs; ++i) {
-    if (i < nblocks) {
-      const auto d = static_cast<uint8_t>(static_cast<uint32_t>(m.w[kMetaHeaderWords + i / 4]) >> (8 * (i % 4)));
-      valid &= desc_valid(d);
-      const int bytes = block_bytes(d);
-      offset += i < b ? bytes : 0;
-      total += bytes;
-      desc_b = i == b ? d : desc_b;
+  BlockPlan plan{0, kDescSkip};
+  if (j < Cfg<D>::kBlocks && tok < hi) {
+    plan.desc = kDescBad;
+    if (page >= 0 && page < p.num_pages) {
+      const int32_t* row = p.meta + ((int64_t{page} * 2 + blk.is_v) * p.H + head) * p.words;
+      int64_t start;
+      int nbytes;
+      if (read_stream(row, p.page_size, D, p.data_bytes, &start, &nbytes) == kStreamOk) {
+        const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
+        const uint8_t* d = row_descriptors(row);
+        plan.desc = d[b];
+        plan.src = start + block_offset(d, b);
+      }
     }
   }
-  const int64_t start = int64_t{m.w[0]} * kStreamAlign;
-  if (valid && start + total <= p.data_bytes) plan.desc = desc_b, plan.src = start + offset;
   return plan;
 }
 
@@ -340,9 +307,10 @@ __device__ __forceinline__ void load_q_fragment(uint32_t a[4], const uint16_t* q
 // alone, Q's fragments read from qs.
 template <int D>
 __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs,
-                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4], const uint16_t* ks,
-                                             const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
-                                             int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
+                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4],
+                                             const uint16_t* ks, const uint16_t* vs, int warp, int lane, bool masked,
+                                             const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
+                                             float l_run[2]) {
   using C = Cfg<D>;
   constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
   const int t = lane % 4;
@@ -365,17 +333,17 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     fence_accumulators(s);
   } else {
 #pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      uint32_t a[4];
-      load_q_fragment<D>(a, qs, warp, lane, k);
+  for (int k = 0; k < D / 16; ++k) {
+    uint32_t a[4];
+    load_q_fragment<D>(a, qs, warp, lane, k);
 #pragma unroll
-      for (int n = 0; n < kSN / 2; ++n) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
-        mma(s[2 * n], a, bk[0], bk[1]);
-        mma(s[2 * n + 1], a, bk[2], bk[3]);
-      }
+    for (int n = 0; n < kSN / 2; ++n) {
+      uint32_t bk[4];
+      ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
+      mma(s[2 * n], a, bk[0], bk[1]);
+      mma(s[2 * n + 1], a, bk[2], bk[3]);
     }
+  }
   }
 
   // Logits in base 2, masked where the chunk needs it; online softmax per row (a lane holds 2 rows, the 4 lanes of a
@@ -425,8 +393,7 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
     pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
   if constexpr (C::kWgmma) {
     // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
@@ -462,9 +429,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
-  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                    // [2][K, V][kKVBytes]
-  uint8_t* stages = smem + 4 * C::kKVBytes;                                  // [kS][kStageBytes]
-  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);  // [kRows][kStride]
+  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                     // [2][K, V][kKVBytes]
+  uint8_t* stages = smem + 4 * C::kKVBytes;                                   // [kS][kStageBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);   // [kRows][kStride]
   uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);  // [kDescRing][kDescBytes]
   __shared__ int s_request, s_tile, s_bad;
 
@@ -521,25 +488,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     // ---- The producer: plans kS + 1 chunks ahead, copies kS ahead, waits for them two ahead of their multiply.
     // Every step commits one copy group (empty past the last chunk), so "at most kS - 2 in flight" always means
     // "the chunk the compute warps rebuild next has landed".
-    // The first kS + 1 chunks are planned at once (page id, words and plan in a chain, once per CTA); from then on
-    // page ids are loaded three chunks ahead of their copies, meta words two and plans made one, each step using
-    // what the step before loaded.
-    MetaWords<D> words;
-    const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
-    const auto plan_now = [&](int ci) {
-      load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
-      return plan_block<D>(p, chunk_key(ci), lane, words);
-    };
+    BlockPlan plan{0, kDescSkip};
     for (int ci = 0; ci < kS; ++ci) {
       if (ci < chunks) {
-        issue_chunk<D>(p, plan_now(ci), stages + ci * C::kStageBytes, desc_ring + ci % kDescRing * C::kDescBytes, lane);
+        plan = plan_block<D>(p, head, chunk_key(ci), hi, lane, block_page<D>(p, kp0, chunk_key(ci), hi, lane));
+        issue_chunk<D>(p, plan, stages + ci * C::kStageBytes, desc_ring + ci % kDescRing * C::kDescBytes, lane);
       }
       cp_async_commit();
     }
-    BlockPlan plan{0, kDescSkip};
-    if (kS < chunks) plan = plan_now(kS);
-    if (kS + 1 < chunks) load_meta_words<D>(p, head, chunk_key(kS + 1), hi, lane, page_of(kS + 1), words);
-    int32_t page_next = page_of(kS + 2);
+    int32_t page_next = kS < chunks ? block_page<D>(p, kp0, chunk_key(kS), hi, lane) : -1;
+    if (kS < chunks) plan = plan_block<D>(p, head, chunk_key(kS), hi, lane, page_next);
+    page_next = kS + 1 < chunks ? block_page<D>(p, kp0, chunk_key(kS + 1), hi, lane) : -1;
     cp_async_wait<kS - 2>();  // chunks 0 and 1
     __syncthreads();          // the rebuild of chunk 0
     __syncthreads();          // chunk 0 rebuilt: its staging buffer is free
@@ -549,9 +508,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         issue_chunk<D>(p, plan, stages + ci % kS * C::kStageBytes, desc_ring + next % kDescRing * C::kDescBytes, lane);
       }
       cp_async_commit();
-      if (next + 1 < chunks) plan = plan_block<D>(p, chunk_key(next + 1), lane, words);
-      if (next + 2 < chunks) load_meta_words<D>(p, head, chunk_key(next + 2), hi, lane, page_next, words);
-      page_next = page_of(next + 3);
+      if (next + 1 < chunks) plan = plan_block<D>(p, head, chunk_key(next + 1), hi, lane, page_next);
+      if (next + 2 < chunks) page_next = block_page<D>(p, kp0, chunk_key(next + 2), hi, lane);
       cp_async_wait<kS - 2>();  // chunk ci + 2, which the compute warps rebuild in the next step
       __syncthreads();
     }
@@ -590,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
-  __syncthreads();                         // Q staged, chunks 0 and 1 landed
+  __syncthreads();  // Q staged, chunks 0 and 1 landed
   uint32_t qa[C::kWgmma ? D / 16 : 1][4];  // wgmma: the warp's Q fragments, held for every chunk
   if constexpr (C::kWgmma) {
 #pragma unroll
@@ -612,7 +570,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
       const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
-      attend_chunk<D>(p, qs, qa, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run, l_run);
+      attend_chunk<D>(p, qs, qa, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run,
+                      l_run);
     }
     __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, chunk ci + 2 landed
   }
