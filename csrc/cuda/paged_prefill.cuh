@@ -307,10 +307,9 @@ __device__ __forceinline__ void load_q_fragment(uint32_t a[4], const uint16_t* q
 // alone, Q's fragments read from qs.
 template <int D>
 __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs,
-                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4],
-                                             const uint16_t* ks, const uint16_t* vs, int warp, int lane, bool masked,
-                                             const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
-                                             float l_run[2]) {
+                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4], const uint16_t* ks,
+                                             const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
+                                             int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
   using C = Cfg<D>;
   constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
   const int t = lane % 4;
@@ -333,17 +332,17 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     fence_accumulators(s);
   } else {
 #pragma unroll
-  for (int k = 0; k < D / 16; ++k) {
-    uint32_t a[4];
-    load_q_fragment<D>(a, qs, warp, lane, k);
+    for (int k = 0; k < D / 16; ++k) {
+      uint32_t a[4];
+      load_q_fragment<D>(a, qs, warp, lane, k);
 #pragma unroll
-    for (int n = 0; n < kSN / 2; ++n) {
-      uint32_t bk[4];
-      ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
-      mma(s[2 * n], a, bk[0], bk[1]);
-      mma(s[2 * n + 1], a, bk[2], bk[3]);
+      for (int n = 0; n < kSN / 2; ++n) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, ks + (n * 16 + lane % 8 + (lane / 16) * 8) * C::kStride + k * 16 + (lane / 8 % 2) * 8);
+        mma(s[2 * n], a, bk[0], bk[1]);
+        mma(s[2 * n + 1], a, bk[2], bk[3]);
+      }
     }
-  }
   }
 
   // Logits in base 2, masked where the chunk needs it; online softmax per row (a lane holds 2 rows, the 4 lanes of a
@@ -393,7 +392,8 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
     pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
   if constexpr (C::kWgmma) {
     // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
@@ -429,9 +429,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
-  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                     // [2][K, V][kKVBytes]
-  uint8_t* stages = smem + 4 * C::kKVBytes;                                   // [kS][kStageBytes]
-  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);   // [kRows][kStride]
+  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                    // [2][K, V][kKVBytes]
+  uint8_t* stages = smem + 4 * C::kKVBytes;                                  // [kS][kStageBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);  // [kRows][kStride]
   uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);  // [kDescRing][kDescBytes]
   __shared__ int s_request, s_tile, s_bad;
 
@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
-  __syncthreads();  // Q staged, chunks 0 and 1 landed
+  __syncthreads();                         // Q staged, chunks 0 and 1 landed
   uint32_t qa[C::kWgmma ? D / 16 : 1][4];  // wgmma: the warp's Q fragments, held for every chunk
   if constexpr (C::kWgmma) {
 #pragma unroll
@@ -570,8 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
       const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
-      attend_chunk<D>(p, qs, qa, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run,
-                      l_run);
+      attend_chunk<D>(p, qs, qa, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run, l_run);
     }
     __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, chunk ci + 2 landed
   }
