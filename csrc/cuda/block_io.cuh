@@ -90,21 +90,24 @@ __device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v,
   }
 }
 
+// One stmatrix.x4 of words w[0..3] (transposed for V), this lane's row address a (shared).
+__device__ __forceinline__ void stmatrix_x4(uint32_t a, int is_v, const uint32_t* w) {
+  if (is_v) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[0]),
+                 "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[0]), "r"(w[1]),
+                 "r"(w[2]), "r"(w[3])
+                 : "memory");
+  }
+}
 __device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int lane, const uint32_t w[8],
                                                  int row_words = kRowWords) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    const uint32_t a =
-        static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane, row_words)));
-    if (is_v) {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
-                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
-                   : "memory");
-    } else {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
-                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
-                   : "memory");
-    }
+    stmatrix_x4(static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane, row_words))),
+                is_v, w + 4 * c);
   }
 }
 

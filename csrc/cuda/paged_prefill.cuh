@@ -165,16 +165,7 @@ __device__ __forceinline__ void store_lane_words_swizzled(uint16_t* tile, int is
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int tok = tok0 + (is_v ? 8 * (j / 2) : 8 * (j % 2)) + r, chunk = 2 * c + (is_v ? j % 2 : j / 2);
-    const uint32_t a = smem_u32(tile + swizzled<D>(tok, dim0 + 8 * chunk));
-    if (is_v) {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
-                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
-                   : "memory");
-    } else {
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(w[4 * c]),
-                   "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3])
-                   : "memory");
-    }
+    stmatrix_x4(smem_u32(tile + swizzled<D>(tok, dim0 + 8 * chunk)), is_v, w + 4 * c);
   }
 }
 
