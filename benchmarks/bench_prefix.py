@@ -32,8 +32,10 @@ each row reports the mean KV ratio it ran at, so the bar can be read against rea
 Each job warms up first with a few requests of the workload's shape (CUDA Graph capture for the small buckets,
 allocations), not counted: the figures are the main load's alone (hit counts are the difference of the engine's
 totals). Each job also records a per-step trace of its load (``step_trace``: see ``StepTrace``), and with
-``ZIPKV_PROFILE_JOB=DIR`` a cProfile of the load's host time into DIR. Writes bench_prefix.json, bench_prefix.md and
-bench_prefix.png (if matplotlib is there) into --out.
+``ZIPKV_PROFILE_JOB=DIR`` a cProfile of the load's host time into DIR, and with ``ZIPKV_TORCH_PROFILE=DIR`` a
+``torch.profiler`` table of steps ``ZIPKV_TORCH_PROFILE_STEPS`` (``first:last``, default ``100:140``) of the load into
+DIR: operators and kernels by device time, and the device's busy time against the steps' wall time. Writes
+bench_prefix.json, bench_prefix.md and bench_prefix.png (if matplotlib is there) into --out.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ class StepTrace:
     CUDA the device's time from this step's first launch to the next step's (an event at each step's start: the GPU's
     timeline per step, idle gaps included)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, profile_name: str | None = None):
         self.engine, self.rows = engine, []
+        self._profile_to = os.environ.get("ZIPKV_TORCH_PROFILE")  # a folder: a torch.profiler table of some steps
+        first, last = os.environ.get("ZIPKV_TORCH_PROFILE_STEPS", "100:140").split(":")
+        self._profile_steps, self._profile_name, self._profiler = (int(first), int(last)), profile_name, None
         runner = engine.runner
         self._decode, self._prefill, self._read_back = runner.decode, runner.prefill, runner.read_back
         runner.decode, runner.prefill, runner.read_back = self._traced_decode, self._traced_prefill, self._traced_rb
@@ -118,12 +123,45 @@ class StepTrace:
         if self._cuda:
             self._cur["event"] = torch.cuda.Event(enable_timing=True)
             self._cur["event"].record()
+        if self._profile_to and len(self.rows) == self._profile_steps[0]:
+            self._start_profile()
         t = time.perf_counter()
         outs = self._step()
         self._cur["wall_ms"] = (time.perf_counter() - t) * 1e3
         self._cur["shared_pass"] = e.runner.shared_steps > shared
         self.rows.append(self._cur)
+        if self._profiler is not None and len(self.rows) == self._profile_steps[1]:
+            self._write_profile()
         return outs
+
+    def _start_profile(self) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self._cuda else [])
+        self._profiler = torch.profiler.profile(activities=acts)
+        self._profiler.__enter__()
+        self._profile_t0 = time.perf_counter()
+
+    def _write_profile(self) -> None:
+        """The profiled steps' table: what ran (operators, kernels) by device time, then by host time; the device's
+        busy time (kernels and copies, summed) against the steps' wall time; the steps' rows and prefill tokens."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._profile_t0
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        first, last = self._profile_steps
+        steps = self.rows[first:last]
+        events = prof.key_averages()
+        device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+        lines = [f"steps {first}..{last - 1} of the load: wall {wall * 1e3:.1f} ms, device busy "
+                 f"{device_us / 1e3:.1f} ms (self device time summed, as the table's total)",
+                 "per step (wall ms, decode rows, prefill tokens, compression call, shared-prefix pass): " +
+                 "; ".join(f"{r['wall_ms']:.1f}/{r['decode_rows']}/{r['prefill_tokens']}/{int(r['compress_round'])}"
+                           f"/{int(r['shared_pass'])}" for r in steps), ""]
+        if self._cuda:
+            lines.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+        lines.append(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+        name = f"torch_profile_{self._profile_name or 'job'}.txt"
+        pathlib.Path(self._profile_to, name).write_text("\n".join(lines))
 
     def summary(self) -> dict:
         """The records as columns (``gpu_ms``: to the next step's start; the last step's is None), and means of
@@ -167,7 +205,7 @@ def run_job(spec: dict, report: dict) -> None:
     compiles = _dynamo_graphs()
     load, follow_up, total = load_of(spec, spec["sizes"]["requests" if spec["workload"] == "shared" else
                                                     "conversations"], seed=0)
-    trace = StepTrace(engine)
+    trace = StepTrace(engine, f"{spec['workload']}_{spec['system'].replace('+', '_')}")
     profile_to = os.environ.get("ZIPKV_PROFILE_JOB")  # a folder: the load's host profile (cProfile), per job
     if profile_to:
         import cProfile
