@@ -73,13 +73,11 @@ struct Params {
 
 template <int D>
 struct Cfg {
-  // d <= 128: S = Q K^T and O += P V as warpgroup MMAs, K and V tiles read by descriptor from 128-byte-swizzled
-  // shared memory, once per warpgroup of 64 rows; d 256 (O alone would be 128 registers a thread): mma.sync.
-  static constexpr bool kWgmma = D <= 128;
-  // d 128 holds the warp's Q fragments in registers for the whole kernel; d 64 reloads them from shared memory each
-  // chunk: holding them, ptxas (nvcc 13.0) gave P's fragments the same registers after the first chunk's S, so
-  // every later chunk multiplied P by K (docs/performance.md, "Prefill attention").
-  static constexpr bool kQInRegs = D == 128;
+  // d 128: S = Q K^T and O += P V as warpgroup MMAs, K and V tiles read by descriptor from 128-byte-swizzled
+  // shared memory, once per warpgroup of 64 rows. d 256 (O alone would be 128 registers a thread) and d 64 use
+  // mma.sync: the same code with d 64 was wrong from the second chunk on, in every row, when the warpgroup's 64 rows
+  // all held queries (S nonzero with Q = 0: docs/performance.md), not yet understood.
+  static constexpr bool kWgmma = D == 128;
   static constexpr int kKV = D == 256 ? 32 : 64;  // key tokens per chunk (d 256: registers and shared memory)
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
@@ -92,7 +90,7 @@ struct Cfg {
   static constexpr int kDescBytes = 32;
   static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
   static constexpr int kSmemBytes = kAlign + 4 * kKVBytes + kStages * kStageBytes + kQBytes + kDescRing * kDescBytes;
-  static_assert(!kWgmma || kKVBytes % 1024 == 0, "whole swizzle atoms per tile");
+  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && D == 128), "whole swizzle atoms per tile, O as m64n128");
   static_assert(kBlocks <= 32 && kBlocks <= kDescBytes, "a producer lane plans each block of a chunk");
   static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
   static_assert(kStages >= 2 && kStages <= kDescRing, "a chunk's descriptors outlive its staging");
@@ -300,7 +298,7 @@ __device__ __forceinline__ void load_q_fragment(uint32_t a[4], const uint16_t* q
 // alone, Q's fragments read from qs.
 template <int D>
 __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs,
-                                             const uint32_t (&qa)[Cfg<D>::kQInRegs ? D / 16 : 1][4], const uint16_t* ks,
+                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4], const uint16_t* ks,
                                              const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
                                              int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
   using C = Cfg<D>;
@@ -314,21 +312,11 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   if constexpr (C::kWgmma) {
     // K-major B: the K tile's rows are keys; k-step k is 32 bytes into the swizzle row of column block k / 4.
     const uint32_t kb = smem_u32(ks);
-    uint32_t qr[C::kQInRegs ? 1 : D / 16][4];  // d 64: this chunk's Q fragments
-    if constexpr (!C::kQInRegs) {
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) load_q_fragment<D>(qr[k], qs, warp, lane, k);
-    }
     fence_accumulators(s);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-      const uint64_t desc = smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024);
-      if constexpr (C::kQInRegs) {
-        wgmma_m64n64k16(s, qa[k], desc);
-      } else {
-        wgmma_m64n64k16(s, qr[k], desc);
-      }
+      wgmma_m64n64k16(s, qa[k], smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
     }
     wgmma_commit();
     wgmma_wait_all();
@@ -405,12 +393,7 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kKV / 16; ++kk) {
-      const uint64_t desc = smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024);
-      if constexpr (D == 128) {
-        wgmma_m64n128k16_mn(o, pa[kk], desc);
-      } else {
-        wgmma_m64n64k16_mn(o, pa[kk], desc);
-      }
+      wgmma_m64n128k16_mn(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
     }
     wgmma_commit();
     wgmma_wait_all();
@@ -556,9 +539,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
-  __syncthreads();                           // Q staged, chunks 0 and 1 landed
-  uint32_t qa[C::kQInRegs ? D / 16 : 1][4];  // d 128: the warp's Q fragments, held for every chunk
-  if constexpr (C::kQInRegs) {
+  __syncthreads();                         // Q staged, chunks 0 and 1 landed
+  uint32_t qa[C::kWgmma ? D / 16 : 1][4];  // wgmma: the warp's Q fragments, held for every chunk
+  if constexpr (C::kWgmma) {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) load_q_fragment<D>(qa[k], qs, warp, lane, k);
   }
