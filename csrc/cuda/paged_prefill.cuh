@@ -75,8 +75,8 @@ template <int D>
 struct Cfg {
   // d 128: S = Q K^T and O += P V as warpgroup MMAs, K and V tiles read by descriptor from 128-byte-swizzled
   // shared memory, once per warpgroup of 64 rows. d 256 (O alone would be 128 registers a thread) and d 64 use
-  // mma.sync: the same code with d 64 was wrong from the second chunk on, in every row, when the warpgroup's 64 rows
-  // all held queries (S nonzero with Q = 0: docs/performance.md), not yet understood.
+  // mma.sync: with the same code at d 64, ptxas gave P's fragments the registers that held Q's, so every chunk after
+  // the first multiplied P by K (docs/performance.md, "Prefill attention").
   static constexpr bool kWgmma = D == 128;
   static constexpr int kKV = D == 256 ? 32 : 64;  // key tokens per chunk (d 256: registers and shared memory)
   static constexpr int kTiles = kKV / kTileTokens;
