@@ -84,7 +84,7 @@ def load_of(spec: dict, n: int, seed: int):
 class StepTrace:
     """Per-step records of an engine's load, to tell where a step's time goes: the host's wall time of each
     ``step()`` call, the part of it spent waiting for the device (``read_back``: the step before's tokens), the decode
-    rows and prefill tokens it launched, whether it started a compression round or ran the shared-prefix pass, and on
+    rows and prefill tokens it launched, whether it called compress_full_pages or ran the shared-prefix pass, and on
     CUDA the device's time from this step's first launch to the next step's (an event at each step's start: the GPU's
     timeline per step, idle gaps included)."""
 
@@ -98,6 +98,8 @@ class StepTrace:
         runner.decode, runner.prefill, runner.read_back = self._traced_decode, self._traced_prefill, self._traced_rb
         self._step = engine.step
         engine.step = self._traced_step
+        self._compress = engine.kv.compress_full_pages
+        engine.kv.compress_full_pages = self._traced_compress
         self._cur = None
         self._cuda = engine.device.type == "cuda"
 
@@ -109,6 +111,10 @@ class StepTrace:
         self._cur["prefill_tokens"] += sum(n for _, _, n in chunks)
         return self._prefill(chunks)
 
+    def _traced_compress(self, *args, **kwargs):
+        self._cur["compress_round"] = True
+        return self._compress(*args, **kwargs)
+
     def _traced_rb(self, in_flight):
         t = time.perf_counter()
         out = self._read_back(in_flight)
@@ -118,7 +124,7 @@ class StepTrace:
     def _traced_step(self):
         e = self.engine
         self._cur = {"decode_rows": 0, "prefill_tokens": 0, "wait_ms": 0.0,
-                     "compress_round": bool(e.compress and (e._steps + 1) % e.compress_every == 0)}
+                     "compress_round": False}
         shared = e.runner.shared_steps
         if self._cuda:
             self._cur["event"] = torch.cuda.Event(enable_timing=True)
