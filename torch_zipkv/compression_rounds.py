@@ -85,8 +85,7 @@ class CompressionRounds:
         rounds: every one, placed now, if ``wait``; else while fewer than MAX_ROUNDS are in flight, placed by a later
         call, the rest left waiting. Returns the pages placed."""
         placed = self._finish(wait)
-        counts = [len(full) for full in self._full]
-        layers = self._layers.repeat(counts)
+        layers = self._layers.repeat([len(full) for full in self._full])
         pids = np.fromiter(itertools.chain.from_iterable(self._full), dtype=np.int64, count=len(layers))
         limit = max(1, ROUND_BYTES // self._store.page_bytes)
         started = 0
@@ -97,15 +96,15 @@ class CompressionRounds:
                 placed += self._place(self._rounds.popleft())
             self._start(layers[at: at + limit], pids[at: at + limit])
             started = min(at + limit, len(pids))
-        # The started pages are the first `started` in layer order: drop them from each layer's waiting pages.
-        first = np.cumsum([0] + counts[:-1])
-        for full, begin, n in zip(self._full, first.tolist(), counts):
-            done = min(max(started - begin, 0), n)
-            if done == n:
+        # The started pages are the first `started` in layer order: drop them from the layers' waiting pages.
+        for full in self._full:
+            if started >= len(full):
+                started -= len(full)
                 full.clear()
-            elif done:
-                for p in list(itertools.islice(full, done)):
+            else:
+                for p in list(itertools.islice(full, started)):
                     del full[p]
+                break
         if wait:
             placed += self._finish(wait=True)
         return placed

@@ -66,12 +66,18 @@ __device__ __forceinline__ void store_stage_to_block(const uint32_t* stage, uint
 // format.h's position order is the mma fragment order, which is ldmatrix's: word m is the lane's fragment of one
 // 8x8 matrix of the stage (K: tokens 8 (m % 2).., dims 8 (m / 2)..; V, transposed: tokens 8 (m / 2 % 2).., dims
 // 8 (2 (m / 4) + m % 2)..). So two ldmatrix.x4 (stmatrix.x4 back) move a lane's words, 16 bytes per row address.
-// The stage word this lane addresses in call c (words 4c..4c+3): row r % 8 of matrix j = r / 8, in a stage of
-// row_words words a row (a block's own stage by default; a wider tile holds several blocks side by side).
-__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane, int row_words = kRowWords) {
+// The block row (token) and 8-dim chunk this lane addresses in call c (words 4c..4c+3): row r % 8 of matrix j = r / 8.
+struct FragmentRow {
+  int row, chunk;
+};
+__device__ __forceinline__ FragmentRow fragment_row(int is_v, int c, int lane) {
   const int j = lane / 8, r = lane % 8;
-  return is_v ? (8 * (j / 2) + r) * row_words + 4 * (2 * c + j % 2)
-              : (8 * (j % 2) + r) * row_words + 4 * (2 * c + j / 2);
+  return is_v ? FragmentRow{8 * (j / 2) + r, 2 * c + j % 2} : FragmentRow{8 * (j % 2) + r, 2 * c + j / 2};
+}
+// That row's stage word in a stage of row_words words a row (a block's own stage by default).
+__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane, int row_words = kRowWords) {
+  const FragmentRow f = fragment_row(is_v, c, lane);
+  return f.row * row_words + 4 * f.chunk;
 }
 
 __device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v, int lane, uint32_t w[8]) {
@@ -102,12 +108,11 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t a, int is_v, const uint32_t
                  : "memory");
   }
 }
-__device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int lane, const uint32_t w[8],
-                                                 int row_words = kRowWords) {
+__device__ __forceinline__ void store_lane_words(uint32_t* stage, int is_v, int lane, const uint32_t w[8]) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    stmatrix_x4(static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane, row_words))),
-                is_v, w + 4 * c);
+    stmatrix_x4(static_cast<uint32_t>(__cvta_generic_to_shared(stage + fragment_row_word(is_v, c, lane))), is_v,
+                w + 4 * c);
   }
 }
 

@@ -150,22 +150,25 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------- KV chunk
-// The wgmma tiles' layout (wgmma.cuh): a K or V tile of kKV tokens is D / 64 column blocks of [kKV][64] bf16, each
-// row 128 bytes with its 16-byte chunks swizzled by the token. The offset (bf16) of (token, dims dim..dim + 7).
+// Where (token, dims dim..dim + 7) of a K or V tile of kKV tokens lies (bf16 offset). wgmma: D / 64 column blocks of
+// [kKV][64], each row 128 bytes with its 16-byte chunks swizzled by the token (wgmma.cuh); else rows of kStride.
 template <int D>
-__device__ __forceinline__ int swizzled(int token, int dim) {
-  return (dim / 64) * (Cfg<D>::kKV * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+__device__ __forceinline__ int tile_offset(int token, int dim) {
+  if constexpr (Cfg<D>::kWgmma) {
+    return (dim / 64) * (Cfg<D>::kKV * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+  } else {
+    return token * Cfg<D>::kStride + dim;
+  }
 }
 
-// block_io.cuh's store_lane_words into the swizzled tile: the block of tokens tok0.. and dims dim0.. (32 dims).
+// block_io.cuh's store_lane_words into a tile: the block of tokens tok0.. and dims dim0.. (32 dims).
 template <int D>
-__device__ __forceinline__ void store_lane_words_swizzled(uint16_t* tile, int is_v, int lane, const uint32_t w[8],
-                                                          int tok0, int dim0) {
-  const int j = lane / 8, r = lane % 8;
+__device__ __forceinline__ void store_block(uint16_t* tile, int is_v, int lane, const uint32_t w[8], int tok0,
+                                            int dim0) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    const int tok = tok0 + (is_v ? 8 * (j / 2) : 8 * (j % 2)) + r, chunk = 2 * c + (is_v ? j % 2 : j / 2);
-    stmatrix_x4(smem_u32(tile + swizzled<D>(tok, dim0 + 8 * chunk)), is_v, w + 4 * c);
+    const FragmentRow f = fragment_row(is_v, c, lane);
+    stmatrix_x4(smem_u32(tile + tile_offset<D>(tok0 + f.row, dim0 + 8 * f.chunk)), is_v, w + 4 * c);
   }
 }
 
@@ -236,14 +239,13 @@ __device__ __forceinline__ void issue_chunk(const Params& p, BlockPlan plan, uin
   }
 }
 
-// Rebuilds staged block j into bf16 in the K or V tile ([kKV][kStride], natural order): the lane's 8 words in
-// position order (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix
-// (block_io.cuh store_lane_words, with the tile's row stride). Values of tokens at or past kv_len are zeroed in V (an
-// open page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is 0).
+// Rebuilds staged block j into bf16 in the K or V tile (tile_offset's layout): the lane's 8 words in position order
+// (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix (store_block). Values
+// of tokens at or past kv_len are zeroed in V (an open page's free slots may hold any bit pattern, and 0 * NaN would
+// poison O although their weight is 0).
 template <int D>
 __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
                                               const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
-  using C = Cfg<D>;
   const BlockOf<D> blk(j);
   const int tile = blk.tile, is_v = blk.is_v, span = blk.span;
   const uint8_t desc = descs[j];
@@ -261,12 +263,7 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
                 *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
   }
   uint16_t* const dst = is_v ? vs : ks;
-  uint16_t* base = dst + tile * kTileTokens * C::kStride + span * kBlockDims;
-  if constexpr (C::kWgmma) {
-    store_lane_words_swizzled<D>(dst, is_v, lane, w, tile * kTileTokens, span * kBlockDims);
-  } else {
-    store_lane_words(reinterpret_cast<uint32_t*>(base), is_v, lane, w, C::kStride / 2);
-  }
+  store_block<D>(dst, is_v, lane, w, tile * kTileTokens, span * kBlockDims);
   const int64_t tok = c0 + int64_t{tile} * kTileTokens;
   if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
     __syncwarp();
@@ -276,9 +273,8 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
     for (int k = 0; k < 2; ++k) {
       const int piece = lane + 32 * k, row = piece / 4;
       if (row < valid) continue;
-      uint16_t* at = C::kWgmma ? dst + swizzled<D>(tile * kTileTokens + row, span * kBlockDims + (piece % 4) * 8)
-                               : base + row * C::kStride + (piece % 4) * 8;
-      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst + tile_offset<D>(tile * kTileTokens + row, span * kBlockDims + (piece % 4) * 8)) =
+          make_uint4(0, 0, 0, 0);
     }
   }
   return desc == kDescBad;
