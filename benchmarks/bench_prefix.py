@@ -167,6 +167,7 @@ class StepTrace:
             lines.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
         lines.append(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         name = f"torch_profile_{self._profile_name or 'job'}.txt"
+        pathlib.Path(self._profile_to).mkdir(parents=True, exist_ok=True)
         pathlib.Path(self._profile_to, name).write_text("\n".join(lines))
 
     def summary(self) -> dict:

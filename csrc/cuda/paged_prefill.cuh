@@ -13,13 +13,15 @@
 // q lengths of the same nnz_q.
 //
 // A pipeline over chunks of kKV key tokens (a whole number of 16-token tiles), one __syncthreads a chunk. A ninth
-// warp, the producer, does all the waiting on global memory: lane j plans block j of a chunk (page id, meta row,
-// descriptor, offset: a chain of dependent loads) kStages + 1 chunks ahead, the warp starts the chunk's cp.async
-// copies, still compressed, into a ring of kStages staging buffers kStages chunks ahead, and waits for them two chunks
-// ahead. While chunk i is multiplied from one of two BF16 K/V tiles, the compute warps rebuild chunk i + 1 into the
-// other (block_io.cuh decode_lane: the lane's words in mma A-operand order; stmatrix puts them in natural
-// [token][dim] order), so the ALU work of the rebuild and the tensor work of the MMA interleave on each SM. (With
-// the copies, plans and rebuild of each chunk waited on in turn by the same 4 warps, three barriers a chunk, the
+// warp, the planner, does the waiting on the page table and meta rows: lane j plans block j of a chunk (page id, meta
+// row, descriptor, offset) and publishes the plan in shared memory kStages + 1 chunks ahead of its multiply. Each
+// compute warp copies its own blocks of a chunk (cp.async, still compressed) kStages chunks ahead into a ring of
+// staging buffers, and rebuilds the same blocks when they have landed: while chunk i is multiplied from one of two
+// BF16 K/V tiles, the compute warps rebuild chunk i + 1 into the other (block_io.cuh decode_lane: the lane's words in
+// mma A-operand order; stmatrix puts them in natural [token][dim] order), so the ALU work of the rebuild and the
+// tensor work of the MMA interleave on each SM. (A single warp starting every copy, 32 blocks a chunk one after
+// another, was the bound at 3.5 us a chunk; with the copies, plans and rebuild of each chunk waited on in turn by the
+// same 4 warps, three barriers a chunk, the
 // kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".) S = Q K^T and O += P V follow
 // FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q's fragments held in
 // registers, K and V read by descriptor once per warpgroup of 64 rows), P from S's accumulators in registers, an
@@ -44,11 +46,12 @@
 namespace zipkv::cuda::prefill {
 
 constexpr int kComputeWarps = 8;
-constexpr int kProducer = kComputeWarps;   // the warp index of the producer
+constexpr int kPlanner = kComputeWarps;    // the warp index of the planner
 constexpr int kWarps = kComputeWarps + 1;  // as prefill_plan reports them
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
-constexpr int kDescRing = 4;               // chunks' descriptors in shared memory (>= kStages)
+constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> kStages)
+constexpr int kMaxBlocks = 32;             // blocks of a chunk at most: one per planner lane
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint8_t kDescSkip = 0xFE;  // a tile outside the CTA's keys: zeros, never read
 constexpr uint8_t kDescBad = 0xFF;   // a refused block: zeros, and the request becomes NaN
@@ -89,11 +92,13 @@ struct Cfg {
   static constexpr int kKVBytes = kKV * (kWgmma ? D : kStride) * 2;  // one K or V tile
   static constexpr int kDescBytes = 32;
   static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
-  static constexpr int kSmemBytes = kAlign + 4 * kKVBytes + kStages * kStageBytes + kQBytes + kDescRing * kDescBytes;
-  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && D == 128), "whole swizzle atoms per tile, O as m64n128");
-  static_assert(kBlocks <= 32 && kBlocks <= kDescBytes, "a producer lane plans each block of a chunk");
+  static constexpr int kSmemBytes =
+      kAlign + 4 * kKVBytes + kStages * kStageBytes + kQBytes + kPlanRing * (kDescBytes + 8 * kMaxBlocks);
+  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
+                "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64n128");
+  static_assert(kBlocks <= kMaxBlocks && kBlocks <= kDescBytes, "a planner lane plans each block of a chunk");
   static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
-  static_assert(kStages >= 2 && kStages <= kDescRing, "a chunk's descriptors outlive its staging");
+  static_assert(kStages >= 2 && kStages < kPlanRing, "a chunk's plans outlive its staging and its rebuild");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA fits on an SM");
 };
 
@@ -150,12 +155,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------- KV chunk
-// Where (token, dims dim..dim + 7) of a K or V tile of kKV tokens lies (bf16 offset). wgmma: D / 64 column blocks of
-// [kKV][64], each row 128 bytes with its 16-byte chunks swizzled by the token (wgmma.cuh); else rows of kStride.
-template <int D>
+// Where (row, dims dim..dim + 7) of a tile of kTileRows rows (a K or V tile: kKV tokens; the Q tile: kRows) lies
+// (bf16 offset). wgmma: D / 64 column blocks of [kTileRows][64], each row 128 bytes with its 16-byte chunks swizzled
+// by the row (wgmma.cuh); else rows of kStride.
+template <int D, int kTileRows = Cfg<D>::kKV>
 __device__ __forceinline__ int tile_offset(int token, int dim) {
   if constexpr (Cfg<D>::kWgmma) {
-    return (dim / 64) * (Cfg<D>::kKV * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+    return (dim / 64) * (kTileRows * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
   } else {
     return token * Cfg<D>::kStride + dim;
   }
@@ -194,48 +200,78 @@ struct BlockPlan {
   uint32_t desc;
 };
 
+// A block's plan is made in two steps, a chunk apart, so that the planner never waits on a load in the step that
+// issues it: first every word of its stream's meta row is loaded, none of them branched on (one round trip, where
+// format.h's read_stream takes one per word behind its checks), then the plan is computed from the words in
+// registers: the same checks (a missing stream, another geometry or version, an invalid descriptor, a stream past
+// the end of data) and the block's offset.
+enum WordsState : int { kWordsSkip = 0, kWordsBadPage = 1, kWordsLoaded = 2 };
+
 template <int D>
-__device__ __forceinline__ BlockPlan plan_block(const Params& p, int head, int64_t c0, int64_t hi, int j,
-                                                int32_t page) {
+struct MetaWords {
+  static constexpr int kDescs = kMaxPageSize / kTileTokens * (D / kBlockDims);  // of the longest meta row
+  static constexpr int kWords = kMetaHeaderWords + (kDescs + 3) / 4;
+  int32_t w[kWords];
+  int state;  // WordsState
+};
+
+template <int D>
+__device__ __forceinline__ void load_meta_words(const Params& p, int head, int64_t c0, int64_t hi, int j, int32_t page,
+                                                MetaWords<D>& m) {
+  const BlockOf<D> blk(j);
+  const bool inside = j < Cfg<D>::kBlocks && c0 + int64_t{blk.tile} * kTileTokens < hi;
+  const bool ok = inside && page >= 0 && page < p.num_pages;
+  m.state = !inside ? kWordsSkip : ok ? kWordsLoaded : kWordsBadPage;
+  const int32_t* row = p.meta + ((int64_t{ok ? page : 0} * 2 + blk.is_v) * p.H + head) * p.words;
+#pragma unroll
+  for (int i = 0; i < MetaWords<D>::kWords; ++i) m.w[i] = ok && i < p.words ? __ldg(row + i) : 0;
+}
+
+template <int D>
+__device__ __forceinline__ BlockPlan plan_block(const Params& p, int64_t c0, int j, const MetaWords<D>& m) {
+  BlockPlan plan{0, kDescSkip};
+  if (m.state == kWordsSkip) return plan;
+  plan.desc = kDescBad;
+  if (m.state != kWordsLoaded || m.w[0] < 0 || tag_status(m.w[1], p.page_size, D) != kStreamOk) return plan;
   const BlockOf<D> blk(j);
   const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
-  BlockPlan plan{0, kDescSkip};
-  if (j < Cfg<D>::kBlocks && tok < hi) {
-    plan.desc = kDescBad;
-    if (page >= 0 && page < p.num_pages) {
-      const int32_t* row = p.meta + ((int64_t{page} * 2 + blk.is_v) * p.H + head) * p.words;
-      int64_t start;
-      int nbytes;
-      if (read_stream(row, p.page_size, D, p.data_bytes, &start, &nbytes) == kStreamOk) {
-        const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
-        const uint8_t* d = row_descriptors(row);
-        plan.desc = d[b];
-        plan.src = start + block_offset(d, b);
-      }
+  const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
+  const int nblocks = blocks_per_stream(p.page_size, D);
+  int total = 0, offset = 0;
+  uint32_t desc_b = kDescBad;
+  bool valid = true;
+#pragma unroll
+  for (int i = 0; i < MetaWords<D>::kDescs; ++i) {
+    if (i < nblocks) {
+      const auto d = static_cast<uint8_t>(static_cast<uint32_t>(m.w[kMetaHeaderWords + i / 4]) >> (8 * (i % 4)));
+      valid &= desc_valid(d);
+      const int bytes = block_bytes(d);
+      offset += i < b ? bytes : 0;
+      total += bytes;
+      desc_b = i == b ? d : desc_b;
     }
   }
+  const int64_t start = int64_t{m.w[0]} * kStreamAlign;
+  if (valid && start + total <= p.data_bytes) plan.desc = desc_b, plan.src = start + offset;
   return plan;
 }
 
-// The producer warp starts the copies of a planned chunk (lane j holds block j's plan) into its staging buffer, each
-// block still in the format: each lane its 16 positions, 16 low bytes and 8 code bytes, or a raw block's two 16-byte
-// pieces; and publishes the chunk's descriptors for the rebuild.
+// The planner publishes a chunk's plans (lane j holds block j's) for the compute warps: descriptors and offsets.
 template <int D>
-__device__ __forceinline__ void issue_chunk(const Params& p, BlockPlan plan, uint8_t* stage, uint8_t* descs, int lane) {
-  if (lane < Cfg<D>::kBlocks) descs[lane] = static_cast<uint8_t>(plan.desc);
-#pragma unroll 4
-  for (int j = 0; j < Cfg<D>::kBlocks; ++j) {
-    const uint32_t desc = __shfl_sync(0xFFFFFFFFu, plan.desc, j);
-    const int64_t off = __shfl_sync(0xFFFFFFFFu, plan.src, j);
-    if (desc == kDescSkip || desc == kDescBad) continue;
-    const uint8_t* src = p.data + off;
-    uint8_t* dst = stage + j * kRawBlockBytes;
-    cp_async16(dst + 16 * lane, src + 16 * lane);
-    if (desc == kDescRaw) {
-      cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
-    } else {
-      cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
-    }
+__device__ __forceinline__ void publish_plans(BlockPlan plan, uint8_t* descs, int64_t* srcs, int lane) {
+  if (lane < Cfg<D>::kBlocks) descs[lane] = static_cast<uint8_t>(plan.desc), srcs[lane] = plan.src;
+}
+
+// A compute warp starts the copy of planned block j of a chunk into its staging buffer, still in the format: each
+// lane its 16 positions, 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
+__device__ __forceinline__ void issue_block(const Params& p, uint32_t desc, int64_t off, uint8_t* dst, int lane) {
+  if (desc == kDescSkip || desc == kDescBad) return;
+  const uint8_t* src = p.data + off;
+  cp_async16(dst + 16 * lane, src + 16 * lane);
+  if (desc == kDescRaw) {
+    cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
+  } else {
+    cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
   }
 }
 
@@ -287,14 +323,79 @@ __device__ __forceinline__ void load_q_fragment(uint32_t a[4], const uint16_t* q
   ldmatrix_x4(a, qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * Cfg<D>::kStride + k * 16 + (lane / 16) * 8);
 }
 
+// A chunk's logits from S's accumulators (s: a warp's 16 rows x kKV keys), masked where kMasked, in base 2, and the
+// online softmax per row (a lane holds 2 rows, the 4 lanes of a quad share them): s becomes the chunk's weights, O and
+// l are rescaled where the row maximum rises. kCap: the soft cap's map. Both maps increase with s (sm_scale > 0,
+// checks.h), so a row's maximum is taken over s itself and scaled once, and each weight is one FFMA and one ex2.
+template <int D, bool kCap, bool kMasked>
+__device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], int t,
+                                               const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
+                                               float l_run[2]) {
+  constexpr int kSN = Cfg<D>::kKV / 8;
+  constexpr float kMaxRise = 8.f;  // log2 units: the row maximum a chunk's weights are taken against is updated
+                                   // only when a logit exceeds it by more than this (weights stay <= 2^8, exact in
+                                   // fp32 and bf16 alike), so O and l are rescaled only on those chunks
+  const float mul = kCap ? 1.f : p.scale_log2;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[n][e];
+      if constexpr (kCap) x = p.cap_log2 * tanh_approx(x * p.scale_cap);
+      if constexpr (kMasked) {
+        const int key = n * 8 + 2 * t + (e % 2), pos = rel_pos[e / 2];
+        const bool keep =
+            key < kv_rem && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
+        x = keep ? x : -INFINITY;
+      }
+      s[n][e] = x;
+      mx[e / 2] = fmaxf(mx[e / 2], x);
+    }
+  }
+  bool rise = false;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
+    mx[h2] *= mul;                          // -inf stays -inf: nothing to weigh in this chunk
+    rise |= mx[h2] > m_run[h2] + kMaxRise;  // -inf + 8 is -inf: a row's first finite logit always rises
+  }
+  if (__any_sync(0xFFFFFFFFu, rise)) {  // warp-uniform, so the rescale is one branch, not 64 predicated FMULs
+    float alpha[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      alpha[h2] = 1.f;
+      if (mx[h2] > m_run[h2] + kMaxRise) {
+        alpha[h2] = m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - mx[h2]);
+        m_run[h2] = mx[h2];
+      }
+      l_run[h2] *= alpha[h2];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= alpha[0], o[n][1] *= alpha[0], o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+    }
+  }
+  // A maximum of -inf means nothing weighed yet: weigh against 0 (exp2(-inf - 0) = 0, -inf - -inf would be NaN).
+  const float m_use[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = exp2_approx(fmaf(s[n][e], mul, -m_use[e / 2]));
+      l_run[e / 2] += s[n][e];
+    }
+  }
+}
+
 // One compute warp's 16 rows: O += softmax(Q K^T) V over one chunk of K/V tiles (ks, vs) at key c0, the online softmax
 // state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for some
 // row of the warp; rel_pos: the rows' positions relative to c0 (clamped), kv_rem: kv_len - c0 (clamped). With wgmma
-// the four warps of a warpgroup call it together (qa: the warp's Q fragments, held in registers); else each warp
-// alone, Q's fragments read from qs.
-template <int D>
-__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs,
-                                             const uint32_t (&qa)[Cfg<D>::kWgmma ? D / 16 : 1][4], const uint16_t* ks,
+// the four warps of a warpgroup call it together, Q read by descriptor from the swizzled Q tile (held in registers, its
+// 32 registers a thread made ptxas spill the loop's addresses); else each warp alone, Q's fragments read from qs.
+template <int D, bool kCap>
+__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs, const uint16_t* ks,
                                              const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
                                              int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
   using C = Cfg<D>;
@@ -307,12 +408,13 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
   if constexpr (C::kWgmma) {
     // K-major B: the K tile's rows are keys; k-step k is 32 bytes into the swizzle row of column block k / 4.
-    const uint32_t kb = smem_u32(ks);
+    const uint32_t kb = smem_u32(ks), qb = smem_u32(qs) + warp / 4 * (64 * 128);  // the warpgroup's 64 rows of Q
     fence_accumulators(s);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-      wgmma_m64n64k16(s, qa[k], smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
+      wgmma_m64n64k16(s, smem_desc_sw128(qb + (k / 4) * (kRows * 128) + (k % 4) * 32, 16, 1024),
+                      smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
     }
     wgmma_commit();
     wgmma_wait_all();
@@ -332,46 +434,10 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     }
   }
 
-  // Logits in base 2, masked where the chunk needs it; online softmax per row (a lane holds 2 rows, the 4 lanes of a
-  // quad share them).
-  float mx[2] = {m_run[0], m_run[1]};
-#pragma unroll
-  for (int n = 0; n < kSN; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = p.cap_log2 > 0.f ? p.cap_log2 * tanh_approx(s[n][e] * p.scale_cap) : s[n][e] * p.scale_log2;
-      if (masked) {
-        const int key = n * 8 + 2 * t + (e % 2), pos = rel_pos[e / 2];
-        const bool keep =
-            key < kv_rem && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
-        x = keep ? x : -INFINITY;
-      }
-      s[n][e] = x;
-      mx[e / 2] = fmaxf(mx[e / 2], x);
-    }
-  }
-  float alpha[2], m_use[2];
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
-    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
-    // A max of -inf means nothing to weigh yet: weigh against 0 (exp2(-inf - 0) = 0, -inf - -inf would be NaN).
-    m_use[h2] = mx[h2] == -INFINITY ? 0.f : mx[h2];
-    alpha[h2] = m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - m_use[h2]);
-    m_run[h2] = mx[h2];
-    l_run[h2] *= alpha[h2];
-  }
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    o[n][0] *= alpha[0], o[n][1] *= alpha[0], o[n][2] *= alpha[1], o[n][3] *= alpha[1];
-  }
-#pragma unroll
-  for (int n = 0; n < kSN; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[n][e] = exp2_approx(s[n][e] - m_use[e / 2]);
-      l_run[e / 2] += s[n][e];
-    }
+  if (masked) {
+    online_softmax<D, kCap, true>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
+  } else {
+    online_softmax<D, kCap, false>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
   }
 
   // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
@@ -408,7 +474,8 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   }
 }
 
-template <int D>
+// kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
+template <int D, bool kCap>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
   constexpr int kS = C::kStages;
@@ -416,10 +483,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
-  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                    // [2][K, V][kKVBytes]
-  uint8_t* stages = smem + 4 * C::kKVBytes;                                  // [kS][kStageBytes]
-  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);  // [kRows][kStride]
-  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);  // [kDescRing][kDescBytes]
+  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [2][K, V][kKVBytes]
+  uint8_t* stages = smem + 4 * C::kKVBytes;                                               // [kS][kStageBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kRows][kStride]
+  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);               // [kPlanRing][kDescBytes]
+  int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
   __shared__ int s_request, s_tile, s_bad;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -459,8 +527,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       const int64_t qrow = (int64_t{q_begin} + t0 + r / group) * p.Hq + head * group + r % group;
       v = __ldg(reinterpret_cast<const uint4*>(p.q + qrow * D) + piece);
     }
-    *reinterpret_cast<uint4*>(qs + r * C::kStride + piece * 8) = v;
+    *reinterpret_cast<uint4*>(qs + tile_offset<D, kRows>(r, piece * 8)) = v;
   }
+  if constexpr (C::kWgmma) fence_proxy_async_smem();  // Q is read by wgmma after the next barrier
 
   // The keys the tile's rows see: [lo, hi). Pages wholly outside are never read.
   const int64_t pos0 = kv_len - q_len + t0;  // position of the tile's first query token
@@ -471,33 +540,29 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
   const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * (C::kKVBytes / 2); };
 
-  if (warp == kProducer) {
-    // ---- The producer: plans kS + 1 chunks ahead, copies kS ahead, waits for them two ahead of their multiply.
-    // Every step commits one copy group (empty past the last chunk), so "at most kS - 2 in flight" always means
-    // "the chunk the compute warps rebuild next has landed".
-    BlockPlan plan{0, kDescSkip};
-    for (int ci = 0; ci < kS; ++ci) {
-      if (ci < chunks) {
-        plan = plan_block<D>(p, head, chunk_key(ci), hi, lane, block_page<D>(p, kp0, chunk_key(ci), hi, lane));
-        issue_chunk<D>(p, plan, stages + ci * C::kStageBytes, desc_ring + ci % kDescRing * C::kDescBytes, lane);
-      }
-      cp_async_commit();
+  if (warp == kPlanner) {
+    // ---- The planner: publishes the plans of chunk ci + kS + 1 while chunk ci is multiplied (the compute warps copy
+    // chunk ci + kS in that step). The first kS + 1 chunks are planned at once (page id, words and plan in a chain,
+    // once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta words one, each step
+    // using what the step before loaded, so that the planner never waits on a load in the step that issues it.
+    MetaWords<D> words;
+    const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
+    const auto publish = [&](int ci, BlockPlan plan) {
+      publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks, lane);
+    };
+    for (int ci = 0; ci <= kS && ci < chunks; ++ci) {
+      load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
+      publish(ci, plan_block<D>(p, chunk_key(ci), lane, words));
     }
-    int32_t page_next = kS < chunks ? block_page<D>(p, kp0, chunk_key(kS), hi, lane) : -1;
-    if (kS < chunks) plan = plan_block<D>(p, head, chunk_key(kS), hi, lane, page_next);
-    page_next = kS + 1 < chunks ? block_page<D>(p, kp0, chunk_key(kS + 1), hi, lane) : -1;
-    cp_async_wait<kS - 2>();  // chunks 0 and 1
-    __syncthreads();          // the rebuild of chunk 0
-    __syncthreads();          // chunk 0 rebuilt: its staging buffer is free
+    if (kS + 1 < chunks) load_meta_words<D>(p, head, chunk_key(kS + 1), hi, lane, page_of(kS + 1), words);
+    int32_t page_next = page_of(kS + 2);
+    __syncthreads();  // the plans of chunks 0..kS published
+    __syncthreads();  // chunk 0 rebuilt
     for (int ci = 0; ci < chunks; ++ci) {
-      const int next = ci + kS;  // the chunk to copy now, into the buffer chunk ci left
-      if (next < chunks) {
-        issue_chunk<D>(p, plan, stages + ci % kS * C::kStageBytes, desc_ring + next % kDescRing * C::kDescBytes, lane);
-      }
-      cp_async_commit();
-      if (next + 1 < chunks) plan = plan_block<D>(p, head, chunk_key(next + 1), hi, lane, page_next);
-      if (next + 2 < chunks) page_next = block_page<D>(p, kp0, chunk_key(next + 2), hi, lane);
-      cp_async_wait<kS - 2>();  // chunk ci + 2, which the compute warps rebuild in the next step
+      const int next = ci + kS + 1;
+      if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
+      if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
+      page_next = page_of(next + 2);
       __syncthreads();
     }
     __syncthreads();  // the compute warps' refusal flags
@@ -523,10 +588,24 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   bool refused = false;
+  // Each compute warp copies, and then rebuilds, blocks warp * kPerWarp.. of every chunk: its copies are its own to
+  // wait for, and its staging bytes its own to reuse.
   constexpr int kPerWarp = C::kBlocks / kComputeWarps;
+  const auto issue_chunk = [&](int ci) {
+    if (ci < chunks) {
+      const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
+      const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
+#pragma unroll
+      for (int i = 0; i < kPerWarp; ++i) {
+        const int j = warp * kPerWarp + i;
+        issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
+      }
+    }
+    cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
+  };
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
-    const uint8_t* descs = desc_ring + ci % kDescRing * C::kDescBytes;
+    const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
 #pragma unroll
     for (int i = 0; i < kPerWarp; ++i) {
       const int j = warp * kPerWarp + i;
@@ -535,15 +614,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
-  __syncthreads();                         // Q staged, chunks 0 and 1 landed
-  uint32_t qa[C::kWgmma ? D / 16 : 1][4];  // wgmma: the warp's Q fragments, held for every chunk
-  if constexpr (C::kWgmma) {
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) load_q_fragment<D>(qa[k], qs, warp, lane, k);
-  }
+  __syncthreads();  // Q staged, the plans of chunks 0..kS published
+  for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
+  cp_async_wait<kS - 1>();  // chunk 0
   if (chunks > 0) rebuild_chunk(0);
   __syncthreads();
   for (int ci = 0; ci < chunks; ++ci) {
+    issue_chunk(ci + kS);     // into the staging chunk ci left
+    cp_async_wait<kS - 1>();  // chunk ci + 1, copied two steps ago
     if (ci + 1 < chunks) rebuild_chunk(ci + 1);
     const int64_t c0 = chunk_key(ci);
     // Which rows of the warp this chunk reaches: all keys masked for every row (causal: past the last row; window:
@@ -557,9 +635,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
       const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
-      attend_chunk<D>(p, qs, qa, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run, l_run);
+      attend_chunk<D, kCap>(p, qs, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run,
+                            l_run);
     }
-    __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, chunk ci + 2 landed
+    __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
   }
   if (refused) atomicOr(&s_bad, 1);
   __syncthreads();

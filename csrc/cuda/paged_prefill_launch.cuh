@@ -11,10 +11,15 @@ namespace zipkv::cuda::prefill {
 
 template <int D>
 void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
-  static SmemFlags done{};
-  set_smem_limit(paged_prefill_kernel<D>, Cfg<D>::kSmemBytes, done);
+  static SmemFlags done{}, done_cap{};
   const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(p.H));
-  paged_prefill_kernel<D><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+  if (p.cap_log2 > 0.f) {
+    set_smem_limit(paged_prefill_kernel<D, true>, Cfg<D>::kSmemBytes, done_cap);
+    paged_prefill_kernel<D, true><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+  } else {
+    set_smem_limit(paged_prefill_kernel<D, false>, Cfg<D>::kSmemBytes, done);
+    paged_prefill_kernel<D, false><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

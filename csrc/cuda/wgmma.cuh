@@ -1,9 +1,9 @@
-// Hopper warpgroup MMA (wgmma) with A from registers and B from shared memory by descriptor, as the prefill kernel
-// uses it: bf16 in, fp32 accumulate, D += A B. The four warps of a warpgroup issue each instruction together; warp w
-// holds rows 16 w .. 16 w + 15 of the 64, in mma.sync's m16n8k16 layouts (A: a[0..3] rows g, g + 8 by k halves; D:
-// d[j][0..1] row g, columns 8 j + 2 t, + 1, d[j][2..3] row g + 8), so S's accumulators are P's A operand as they stand.
-// Shared-memory operands use the 128-byte swizzle: rows of 64 bf16 (128 bytes), the 16-byte chunk c of row r stored
-// at chunk c ^ (r % 8), atoms of 8 rows (1,024 bytes, 1,024-byte aligned).
+// Hopper warpgroup MMA (wgmma) as the prefill kernel uses it: A from shared memory (Q K^T) or registers (P V), B from
+// shared memory, both by descriptor; bf16 in, fp32 accumulate, D += A B. The four warps of a warpgroup issue each
+// instruction together; warp w holds rows 16 w .. 16 w + 15 of the 64, in mma.sync's m16n8k16 layouts (A: a[0..3] rows
+// g, g + 8 by k halves; D: d[j][0..1] row g, columns 8 j + 2 t, + 1, d[j][2..3] row g + 8), so S's accumulators are P's
+// A operand as they stand. Shared-memory operands use the 128-byte swizzle: rows of 64 bf16 (128 bytes), the 16-byte
+// chunk c of row r stored at chunk c ^ (r % 8), atoms of 8 rows (1,024 bytes, 1,024-byte aligned).
 #pragma once
 
 #include <cstdint>
@@ -35,20 +35,21 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
   }
 }
 
-// D[64 x 64] += A[64 x 16] B[16 x 64], B K-major (B's rows are its 64 columns, 16 k values each).
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t a[4], uint64_t desc) {
+// D[64 x 64] += A[64 x 16] B[16 x 64], A and B K-major from shared memory (A's rows and B's, its 64 columns, hold 16
+// k values each).
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
         "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
         "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
         "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
 // D[64 x 128] += A[64 x 16] B[16 x 128], B MN-major.
