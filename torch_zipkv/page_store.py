@@ -16,12 +16,13 @@ from . import format as fmt
 from .upload import Uploader
 
 
-def _ranges(counts: np.ndarray, *starts: np.ndarray) -> list[np.ndarray]:
-    """For each array of ``starts``: starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1 for every i,
-    concatenated (dtype of counts)."""
-    ends = np.cumsum(counts)
-    within = np.arange(ends[-1] if len(ends) else 0, dtype=counts.dtype) - np.repeat(ends - counts, counts)
-    return [np.repeat(s, counts) + within for s in starts]
+def _ranges(counts: torch.Tensor, total: int, *starts: torch.Tensor) -> list[torch.Tensor]:
+    """For each tensor of ``starts``: starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1 for every i,
+    concatenated (``total`` = counts.sum(), known on the host, so nothing waits for the device). Expanded where the
+    tensors are: a compression round moves ~10^6 units, whose indices cost the host tens of ms to build and send."""
+    within = torch.arange(total, dtype=counts.dtype, device=counts.device)
+    within -= torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts, output_size=total)
+    return [torch.repeat_interleave(s.to(counts.dtype), counts, output_size=total) + within for s in starts]
 
 
 class PageStore:
@@ -81,9 +82,11 @@ class PageStore:
         (``nbytes`` each, all sources read before any destination is written; every offset and size is a multiple of
         STREAM_ALIGN), add the distance moved to word 0 of their meta rows, then zero slots ``zero``."""
         A = fmt.STREAM_ALIGN
-        dst, src = (dst // A).astype(np.int32), (src // A).astype(np.int32)  # units; data holds < 2**31 of them
-        dst_t, src_t, rows_t, shift_t, zero_t = self.upload(
-            *_ranges((nbytes // A).astype(np.int32), dst, src), rows, dst - src, zero)
+        dst, src = dst // A, src // A  # units; data holds < 2**31 of them
+        counts = (nbytes // A).astype(np.int64)
+        counts_t, dst_t, src_t, rows_t, shift_t, zero_t = self.upload(
+            counts, dst.astype(np.int64), src.astype(np.int64), rows, (dst - src).astype(np.int32), zero)
+        dst_t, src_t = _ranges(counts_t, int(counts.sum()), dst_t, src_t)
         self._units.index_put_((dst_t,), source.view(torch.int64).view(-1, A // 8).index_select(0, src_t))
         # Gather, add, scatter: index_put_(accumulate=True) would copy this strided view of all rows whole on CUDA.
         self._starts[rows_t] += shift_t[:, None, None]
