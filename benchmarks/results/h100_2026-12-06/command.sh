@@ -24,7 +24,21 @@
 #                     chunk and for 32 query rows, wrong from the second chunk when the warpgroup's 64 rows hold
 #                     queries, and with Q = 0 its lse was off (S not 0): kept off wgmma (c755f3a)
 #   call 10 (c755f3a, labelled 74c7575+wgmma128): COMMIT=... bash run9.sh -> ../bench_prefill_wgmma_h100.json,
-#                     ../bench_prefix_h100.json/.md/.png; test_paged_prefill_cuda + test_engine_cuda passed (1 skipped)
+#                     ../bench_prefix_h100.json/.md/.png (both files as of c755f3a, in git history);
+#                     test_paged_prefill_cuda + test_engine_cuda passed (1 skipped)
+#   later again, kind nvidia-h100-x1 (call 15 asked for nvidia-h200), each an H100 80GB HBM3; ncu_prefill.py (here)
+#   is copied to .box/ and is the Nsight Compute target (paged_prefill at 512 x 8K x 1, real-like pages):
+#   call 11 (63f0d12 + bc92b19): run11.sh -> test_paged_prefill_cuda 168 passed; zipkv-only quick timings (488 us);
+#                     ncu --set full: the softmax 40% of the stall samples, the rebuild 21%
+#   call 12 (the same + the softmax changes of 5736aa2): run12.sh -> 168 passed; 452 us; ncu: 34% of the samples at
+#                     the chunk's barrier, the producer warp busy starting copies (bench_prefix's part failed: the
+#                     profile folder was not created, fixed in 5736aa2)
+#   call 13 (the same + each compute warp copying its own blocks): run13.sh -> prefill + engine tests 174 passed,
+#                     1 skipped; 407 us; ncu: 11% of the samples on loads of spilled addresses
+#   call 14 (5736aa2, labelled ce9f45d-qsmem): COMMIT=... bash run14.sh -> ../bench_prefill_h100.json,
+#                     ../bench_prefix_h100.json/.md/.png; prefill + engine tests passed
+#   call 15 (af70869, reverted in e6dbbda): run15.sh -> bench_prefill_s_overlap.json; prefill + engine tests 174
+#                     passed, 1 skipped
 
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
@@ -142,4 +156,103 @@ echo "bench at $SECONDS s"
 [ "$ok" = 0 ] || exit 0
 python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
   --time-limit $((575 - SECONDS)) 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -14
+echo "all $SECONDS s"
+
+# ---- .box/run11.sh
+# bc92b19 (producer plans from meta words loaded a step ahead): its CUDA tests, zipkv-only quick prefill timings,
+# and an ncu report of the prefill kernel at 512 x 8K x 1 (stall reasons by instruction).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 120 python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -x -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -6
+echo "tests at $SECONDS s"
+timeout 60 python3 .box/ncu_prefill.py 2>&1 | grep -v Warn | tail -2
+timeout 120 ncu --clock-control none --set full --import-source no -k regex:paged_prefill -s 2 -c 1 -o $OUT/prefill \
+  python3 .box/ncu_prefill.py > $OUT/ncu.log 2>&1; tail -3 $OUT/ncu.log
+ncu -i $OUT/prefill.ncu-rep --page details > $OUT/details.txt 2>&1
+ncu -i $OUT/prefill.ncu-rep --page source --csv --print-source sass > $OUT/sass.csv 2>&1
+grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|stall\|Throughput" $OUT/details.txt | head -30
+echo "ncu at $SECONDS s"
+timeout 100 python3 benchmarks/bench_prefill.py --out "$OUT" --quick --no-flashinfer 2>&1 | grep -v "Warn\|warn" | tail -6
+echo "all $SECONDS s"
+
+# ---- .box/run12.sh
+# softmax from FFMA + lazy rescale + compile-time soft cap: CUDA prefill tests, ncu source page, zipkv-only quick
+# prefill timings; then bench_prefix's shared load (zipkv+cache vs raw+cache) with a torch profile of steps.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests" "$OUT/prefix"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 120 python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -x -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -6
+ok=${PIPESTATUS[0]}
+echo "tests rc=$ok at $SECONDS s"
+timeout 90 ncu --clock-control none --section WarpStateStats --section SourceCounters --section SpeedOfLight --import-source no \
+  -k regex:paged_prefill -s 2 -c 1 -o $OUT/prefill python3 .box/ncu_prefill.py > $OUT/ncu.log 2>&1; grep "us (warm" $OUT/ncu.log
+ncu -i $OUT/prefill.ncu-rep --page source --csv --print-source sass > $OUT/sass.csv 2>&1
+ncu -i $OUT/prefill.ncu-rep --page details > $OUT/details.txt 2>&1; grep "Duration" $OUT/details.txt
+timeout 60 python3 .box/ncu_prefill.py 2>&1 | grep "us (warm"
+timeout 100 python3 benchmarks/bench_prefill.py --out "$OUT" --quick --no-flashinfer 2>&1 | grep -v "Warn\|warn" | tail -6
+echo "prefill at $SECONDS s"
+ZIPKV_TORCH_PROFILE=$OUT/prefix/prof python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit $((570 - SECONDS)) 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -14
+echo "all $SECONDS s"
+
+# ---- .box/run13.sh
+# compute warps copy their own blocks (the planner only plans): CUDA prefill + engine tests, ncu, quick prefill timings.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 150 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -x -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -6
+echo "tests rc=${PIPESTATUS[0]} at $SECONDS s"
+timeout 90 ncu --clock-control none --section WarpStateStats --section SourceCounters --section SpeedOfLight --import-source no \
+  -k regex:paged_prefill -s 2 -c 1 -o $OUT/prefill python3 .box/ncu_prefill.py > $OUT/ncu.log 2>&1; grep "us (warm" $OUT/ncu.log
+ncu -i $OUT/prefill.ncu-rep --page source --csv --print-source sass > $OUT/sass.csv 2>&1
+ncu -i $OUT/prefill.ncu-rep --page details > $OUT/details.txt 2>&1; grep "Duration" $OUT/details.txt
+timeout 100 python3 benchmarks/bench_prefill.py --out "$OUT" --quick --no-flashinfer 2>&1 | grep -v "Warn\|warn" | tail -6
+echo "all $SECONDS s"
+
+# ---- .box/run14.sh
+# Q by descriptor from a swizzled tile, compute warps copy their own blocks, softmax by FFMA + lazy rescale:
+# CUDA prefill + engine tests; bench_prefill --quick with FlashInfer; bench_prefix's shared load.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests" "$OUT/prefix"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 150 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -4
+ok=${PIPESTATUS[0]}
+echo "tests rc=$ok at $SECONDS s"
+timeout 200 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -6
+echo "prefill at $SECONDS s"
+[ "$ok" = 0 ] || exit 0
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit $((590 - SECONDS)) 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -12
+echo "all $SECONDS s"
+
+# ---- .box/run15.sh
+# S's MMAs started before the next chunk's rebuild and waited for after it: CUDA prefill + engine tests;
+# bench_prefill --quick with FlashInfer.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 150 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -3
+echo "tests rc=${PIPESTATUS[0]} at $SECONDS s"
+timeout 200 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -6
 echo "all $SECONDS s"
