@@ -46,8 +46,13 @@
 namespace zipkv::cuda::prefill {
 
 constexpr int kComputeWarps = 8;
-constexpr int kPlanner = kComputeWarps;    // the warp index of the planner
-constexpr int kWarps = kComputeWarps + 1;  // as prefill_plan reports them
+constexpr int kPlanner = kComputeWarps;  // the warp index of the planner
+// The planner's warp is the first of a warpgroup of its own (its other three warps only keep the barriers): register
+// budgets are moved between whole warpgroups (setmaxnreg), from the planner's to the compute warps', which get
+// kComputeRegs a thread where 12 warps at launch get 168 (three of them on one scheduler's register file).
+constexpr int kWarps = kComputeWarps + 4;  // as prefill_plan reports them
+constexpr int kComputeRegs = 224, kPlannerRegs = 56;
+static_assert(kComputeWarps * 32 * kComputeRegs + 128 * kPlannerRegs <= 65536, "the register file holds both budgets");
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
 constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> kStages)
@@ -540,7 +545,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
   const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * (C::kKVBytes / 2); };
 
-  if (warp == kPlanner) {
+  if (warp >= kPlanner) {
+    setmaxnreg_dec<kPlannerRegs>();
+    if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
+      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      return;
+    }
     // ---- The planner: publishes the plans of chunk ci + kS + 1 while chunk ci is multiplied (the compute warps copy
     // chunk ci + kS in that step). The first kS + 1 chunks are planned at once (page id, words and plan in a chain,
     // once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta words one, each step
@@ -570,6 +580,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   }
 
   // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
+  setmaxnreg_inc<kComputeRegs>();
   // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
   // whether any of its rows is real. A chunk is skipped, or the rows multiplied at all, by the unit that issues the
   // MMAs together: the warpgroup of 64 rows with wgmma, else the warp.
