@@ -46,13 +46,8 @@
 namespace zipkv::cuda::prefill {
 
 constexpr int kComputeWarps = 8;
-constexpr int kPlanner = kComputeWarps;  // the warp index of the planner
-// The planner's warp is the first of a warpgroup of its own (its other three warps only keep the barriers): register
-// budgets are moved between whole warpgroups (setmaxnreg), from the planner's to the compute warps', which get
-// kComputeRegs a thread where 12 warps at launch get 168 (three of them on one scheduler's register file).
-constexpr int kWarps = kComputeWarps + 4;  // as prefill_plan reports them
-constexpr int kComputeRegs = 224, kPlannerRegs = 56;
-static_assert(kComputeWarps * 32 * kComputeRegs + 128 * kPlannerRegs <= 65536, "the register file holds both budgets");
+constexpr int kPlanner = kComputeWarps;    // the warp index of the planner
+constexpr int kWarps = kComputeWarps + 1;  // as prefill_plan reports them
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
 constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> kStages)
@@ -394,20 +389,25 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
   }
 }
 
-// S = Q K^T for one compute warp's 16 rows over one chunk's K tile (ks). With wgmma the four warps of a warpgroup
-// call it together, Q read by descriptor from the swizzled Q tile (held in registers, its 32 registers a thread made
-// ptxas spill the loop's addresses), and the MMAs are only started: attend_chunk waits for them, so that the rebuild
-// of the next chunk runs while the tensor cores work. Else each warp alone, Q's fragments read from qs.
-template <int D>
-__device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t* ks, int warp, int lane,
-                                             float (&s)[Cfg<D>::kKV / 8][4]) {
+// One compute warp's 16 rows: O += softmax(Q K^T) V over one chunk of K/V tiles (ks, vs) at key c0, the online softmax
+// state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for some
+// row of the warp; rel_pos: the rows' positions relative to c0 (clamped), kv_rem: kv_len - c0 (clamped). With wgmma
+// the four warps of a warpgroup call it together, Q read by descriptor from the swizzled Q tile (held in registers, its
+// 32 registers a thread made ptxas spill the loop's addresses); else each warp alone, Q's fragments read from qs.
+template <int D, bool kCap>
+__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs, const uint16_t* ks,
+                                             const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
+                                             int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
   using C = Cfg<D>;
   constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
+  const int t = lane % 4;
+
+  // S = Q K^T over the chunk's keys.
+  float s[kSN][4];
 #pragma unroll
   for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
   if constexpr (C::kWgmma) {
-    // K-major A and B: Q's rows are query rows, the K tile's keys; k-step k is 32 bytes into the swizzle row of
-    // column block k / 4.
+    // K-major B: the K tile's rows are keys; k-step k is 32 bytes into the swizzle row of column block k / 4.
     const uint32_t kb = smem_u32(ks), qb = smem_u32(qs) + warp / 4 * (64 * 128);  // the warpgroup's 64 rows of Q
     fence_accumulators(s);
     wgmma_fence();
@@ -417,6 +417,8 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
                       smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
     }
     wgmma_commit();
+    wgmma_wait_all();
+    fence_accumulators(s);
   } else {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
@@ -431,18 +433,6 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
       }
     }
   }
-}
-
-// One compute warp's 16 rows: O += softmax(S) V over one chunk (S from start_scores, the V tile vs), the online
-// softmax state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for
-// some row of the warp; rel_pos: the rows' positions relative to the chunk's first key (clamped), kv_rem: kv_len
-// minus that key (clamped). With wgmma the four warps of a warpgroup call it together.
-template <int D, bool kCap>
-__device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], const uint16_t* vs,
-                                             int lane, bool masked, const int rel_pos[2], int kv_rem,
-                                             float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
-  using C = Cfg<D>;
-  const int t = lane % 4;
 
   if (masked) {
     online_softmax<D, kCap, true>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
@@ -550,12 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
   const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * (C::kKVBytes / 2); };
 
-  if (warp >= kPlanner) {
-    setmaxnreg_dec<kPlannerRegs>();
-    if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
-      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
-      return;
-    }
+  if (warp == kPlanner) {
     // ---- The planner: publishes the plans of chunk ci + kS + 1 while chunk ci is multiplied (the compute warps copy
     // chunk ci + kS in that step). The first kS + 1 chunks are planned at once (page id, words and plan in a chain,
     // once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta words one, each step
@@ -585,7 +570,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   }
 
   // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
-  setmaxnreg_inc<kComputeRegs>();
   // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
   // whether any of its rows is real. A chunk is skipped, or the rows multiplied at all, by the unit that issues the
   // MMAs together: the warpgroup of 64 rows with wgmma, else the warp.
@@ -636,21 +620,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   if (chunks > 0) rebuild_chunk(0);
   __syncthreads();
   for (int ci = 0; ci < chunks; ++ci) {
-    issue_chunk(ci + kS);  // into the staging chunk ci left
+    issue_chunk(ci + kS);     // into the staging chunk ci left
+    cp_async_wait<kS - 1>();  // chunk ci + 1, copied two steps ago
+    if (ci + 1 < chunks) rebuild_chunk(ci + 1);
     const int64_t c0 = chunk_key(ci);
     // Which rows of the warp this chunk reaches: all keys masked for every row (causal: past the last row; window:
     // before the first row's window) skip the chunk; masks only where some key of some row falls outside.
     const bool none = (p.causal && c0 > upos_hi) || (p.window_left >= 0 && c0 + C::kKV - 1 < upos_lo - p.window_left);
-    const bool run = unit_active && !none;
-    float s[C::kKV / 8][4];
-    start_scores<D>(qs, kv_tile(ci, 0), warp, lane, s);  // also where !run (unused): ptxas then keeps the MMAs async
-    cp_async_wait<kS - 1>();                             // chunk ci + 1, copied two steps ago
-    if (ci + 1 < chunks) rebuild_chunk(ci + 1);
-    if constexpr (C::kWgmma) {
-      wgmma_wait_all();
-      fence_accumulators(s);
-    }
-    if (run) {
+    if (unit_active && !none) {
       const bool masked = c0 + C::kKV > kv_len || (p.causal && c0 + C::kKV - 1 > wpos_lo) ||
                           (p.window_left >= 0 && c0 < wpos_hi - p.window_left);
       constexpr int64_t kFar = int64_t{1} << 30;  // past any key of a chunk, and any window
@@ -658,7 +635,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
       const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
-      attend_chunk<D, kCap>(p, s, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run);
+      attend_chunk<D, kCap>(p, qs, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run,
+                            l_run);
     }
     __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
   }
