@@ -76,11 +76,11 @@ struct Params {
 
 template <int D>
 struct Cfg {
-  // d 64 and 128: S = Q K^T and O += P V as warpgroup MMAs, Q, K and V tiles read by descriptor from 128-byte-swizzled
-  // shared memory, once per warpgroup of 64 rows. d 256 (O alone would be 128 registers a thread) uses mma.sync. (With
-  // Q's fragments held in registers, ptxas gave P's fragments Q's registers at d 64, so every chunk after the first
-  // multiplied P by K: docs/performance.md, "Prefill attention". Q is now read from shared memory.)
-  static constexpr bool kWgmma = D <= 128;
+  // d 128: S = Q K^T and O += P V as warpgroup MMAs, K and V tiles read by descriptor from 128-byte-swizzled
+  // shared memory, once per warpgroup of 64 rows. d 256 (O alone would be 128 registers a thread) and d 64 use
+  // mma.sync: with the same code at d 64, ptxas gave P's fragments the registers that held Q's, so every chunk after
+  // the first multiplied P by K (docs/performance.md, "Prefill attention").
+  static constexpr bool kWgmma = D == 128;
   static constexpr int kKV = D == 256 ? 32 : 64;  // key tokens per chunk (d 256: registers and shared memory)
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
@@ -94,8 +94,8 @@ struct Cfg {
   static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
   static constexpr int kSmemBytes =
       kAlign + 4 * kKVBytes + kStages * kStageBytes + kQBytes + kPlanRing * (kDescBytes + 8 * kMaxBlocks);
-  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && (D == 64 || D == 128)),
-                "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64nD");
+  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
+                "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64n128");
   static_assert(kBlocks <= kMaxBlocks && kBlocks <= kDescBytes, "a planner lane plans each block of a chunk");
   static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
   static_assert(kStages >= 2 && kStages < kPlanRing, "a chunk's plans outlive its staging and its rebuild");
@@ -455,7 +455,7 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kKV / 16; ++kk) {
-      wgmma_pv<D>(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
+      wgmma_m64n128k16_mn(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
     }
     wgmma_commit();
     wgmma_wait_all();
