@@ -50,13 +50,12 @@
 #include "../format.h"
 #include "block_io.cuh"
 #include "request_search.cuh"
+#include "softmax.cuh"
 
 namespace zipkv::cuda::decode {
 
-constexpr int kMergeRows = 8;   // query rows (one warp each) per CTA of the split merge
-constexpr int kMaxSplits = 64;  // the merge's lanes hold two splits each
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kMaxSlack = 8.f;    // log2 of the largest softmax weight a tile may take before the max is updated
+constexpr int kMergeRows = 8;       // query rows (one warp each) per CTA of the split merge
+constexpr int kMaxSplits = 64;      // the merge's lanes hold two splits each
 constexpr uint8_t kDescBad = 0xFF;  // not a format descriptor: the block was not copied; the request becomes NaN
 
 struct Params {
@@ -159,18 +158,6 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
-}
-
-// 2^x by the special-function unit, subnormal results flushed to 0 (softmax weights that small do not count).
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // Bytes of x that are invalid descriptors (0xF9..0xFF: low 7 bits + 7 reach bit 7) keep their top bit; the rest

@@ -41,6 +41,7 @@
 #include "../format.h"
 #include "block_io.cuh"
 #include "request_search.cuh"
+#include "softmax.cuh"
 #include "wgmma.cuh"
 
 namespace zipkv::cuda::prefill {
@@ -52,9 +53,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
 constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> kStages)
 constexpr int kMaxBlocks = 32;             // blocks of a chunk at most: one per planner lane
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr uint8_t kDescSkip = 0xFE;  // a tile outside the CTA's keys: zeros, never read
-constexpr uint8_t kDescBad = 0xFF;   // a refused block: zeros, and the request becomes NaN
+constexpr uint8_t kDescSkip = 0xFE;        // a tile outside the CTA's keys: zeros, never read
+constexpr uint8_t kDescBad = 0xFF;         // a refused block: zeros, and the request becomes NaN
 
 struct Params {
   const uint16_t* q;          // [nnz_q, Hq, D]
@@ -139,19 +139,10 @@ __device__ __forceinline__ void mma(float d[4], const uint32_t a[4], uint32_t b0
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // ---------------------------------------------------------------------------------------------- KV chunk
@@ -332,9 +323,6 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
                                                const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
                                                float l_run[2]) {
   constexpr int kSN = Cfg<D>::kKV / 8;
-  constexpr float kMaxRise = 8.f;  // log2 units: the row maximum a chunk's weights are taken against is updated
-                                   // only when a logit exceeds it by more than this (weights stay <= 2^8, exact in
-                                   // fp32 and bf16 alike), so O and l are rescaled only on those chunks
   const float mul = kCap ? 1.f : p.scale_log2;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -358,15 +346,15 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
   for (int h2 = 0; h2 < 2; ++h2) {
     mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
     mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
-    mx[h2] *= mul;                          // -inf stays -inf: nothing to weigh in this chunk
-    rise |= mx[h2] > m_run[h2] + kMaxRise;  // -inf + 8 is -inf: a row's first finite logit always rises
+    mx[h2] *= mul;                           // -inf stays -inf: nothing to weigh in this chunk
+    rise |= mx[h2] > m_run[h2] + kMaxSlack;  // -inf + 8 is -inf: a row's first finite logit always rises
   }
   if (__any_sync(0xFFFFFFFFu, rise)) {  // warp-uniform, so the rescale is one branch, not 64 predicated FMULs
     float alpha[2];
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       alpha[h2] = 1.f;
-      if (mx[h2] > m_run[h2] + kMaxRise) {
+      if (mx[h2] > m_run[h2] + kMaxSlack) {
         alpha[h2] = m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - mx[h2]);
         m_run[h2] = mx[h2];
       }
