@@ -12,21 +12,22 @@
 // by a scan of qo_indptr and CTAs past the last tile exit. So the op never syncs and a CUDA Graph replays it with any
 // q lengths of the same nnz_q.
 //
-// A pipeline over chunks of kKV key tokens (a whole number of 16-token tiles), one __syncthreads a chunk. A ninth
-// warp, the planner, does the waiting on the page table and meta rows: lane j plans block j of a chunk (page id, meta
-// row, descriptor, offset) and publishes the plan in shared memory kStages + 1 chunks ahead of its multiply. Each
-// compute warp copies its own blocks of a chunk (cp.async, still compressed) kStages chunks ahead into a ring of
-// staging buffers, and rebuilds the same blocks when they have landed: while chunk i is multiplied from one of two
-// BF16 K/V tiles, the compute warps rebuild chunk i + 1 into the other (block_io.cuh decode_lane: the lane's words in
-// mma A-operand order; stmatrix puts them in natural [token][dim] order), so the ALU work of the rebuild and the
-// tensor work of the MMA interleave on each SM. (A single warp starting every copy, 32 blocks a chunk one after
-// another, was the bound at 3.5 us a chunk; with the copies, plans and rebuild of each chunk waited on in turn by the
-// same 4 warps, three barriers a chunk, the kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".)
-// S = Q K^T and O += P V follow FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V by ldmatrix.trans;
-// wgmma: Q, K and V read by descriptor from swizzled tiles, once per warpgroup of 64 rows), P from S's accumulators
-// in registers, an online softmax in float32 (base 2) per row, O rescaled only when a row's maximum rises by more than
-// 2^8; the position masks are computed only for a warp's chunks that cross the causal diagonal, a window edge or
-// kv_len, in 32-bit arithmetic relative to the chunk.
+// A pipeline over chunks of kKV key tokens (a whole number of 16-token tiles), one __syncthreads a chunk. A planner
+// warp (the first of a fourth warpgroup, which gives its registers to the compute warps by setmaxnreg) does the
+// waiting on the page table and meta rows: lane j plans block j of a chunk (page id, meta row, descriptor, offset) and
+// publishes the plan in shared memory ahead of its copy. Each compute warp copies its own blocks of a chunk (cp.async,
+// still compressed) kStages chunks ahead into a ring of staging buffers, and rebuilds the same blocks when they have
+// landed, kAhead chunks ahead of their multiply, into BF16 K/V tiles (block_io.cuh decode_lane: the lane's words in
+// mma A-operand order; stmatrix puts them in natural [token][dim] order). At head_dim 128 (wgmma) three tiles turn:
+// while chunk i's softmax runs on the SM's ALUs, S of chunk i + 1 runs on the tensor cores, and P V of chunk i under
+// the rebuild of chunk i + 2. (A single warp starting every copy, 32 blocks a chunk one after another, was the bound
+// at 3.5 us a chunk; with the copies, plans and rebuild of each chunk waited on in turn by the same 4 warps, three
+// barriers a chunk, the kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".) S = Q K^T and O += P V
+// follow FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q, K and V read by
+// descriptor from swizzled tiles, once per warpgroup of 64 rows), P from S's accumulators in registers, an
+// online softmax in float32 (base 2) per row, O rescaled only when a row's maximum rises by more than 2^8; the
+// position masks are computed only for a warp's chunks that cross the causal diagonal, a window edge or kv_len, in
+// 32-bit arithmetic relative to the chunk.
 //
 // Bad device contents cannot raise without a host sync (paged_decode.cuh): a page id out of range, a meta row that
 // is missing, of another geometry or version, an invalid descriptor, a stream past the end of data, or an
@@ -47,8 +48,13 @@
 namespace zipkv::cuda::prefill {
 
 constexpr int kComputeWarps = 8;
-constexpr int kPlanner = kComputeWarps;    // the warp index of the planner
-constexpr int kWarps = kComputeWarps + 1;  // as prefill_plan reports them
+constexpr int kPlanner = kComputeWarps;  // the warp index of the planner
+// The planner's warp is the first of a warpgroup of its own (its other three warps only keep the barriers): register
+// budgets are moved between whole warpgroups (setmaxnreg), from the planner's to the compute warps', which get
+// kComputeRegs a thread where 12 warps at launch get 168 (three of them on one scheduler's register file).
+constexpr int kWarps = kComputeWarps + 4;  // as prefill_plan reports them
+constexpr int kComputeRegs = 224, kPlannerRegs = 56;
+static_assert(kComputeWarps * 32 * kComputeRegs + 128 * kPlannerRegs <= 65536, "the register file holds both budgets");
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
 constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> kStages)
@@ -85,20 +91,25 @@ struct Cfg {
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
   static constexpr int kBlocks = 2 * kTiles * kSpans;  // blocks per chunk
-  static constexpr int kStages = D == 256 ? 2 : 3;     // staging buffers: chunks in flight ahead of the rebuild
-  static constexpr int kStride = D + 8;                // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
+  // How many chunks ahead of its multiply a chunk is rebuilt: with wgmma 2, so that S of chunk i + 1 runs on the
+  // tensor cores under chunk i's softmax and P V of chunk i under the rebuild of chunk i + 2 (three K/V tiles; two
+  // staging buffers make the room); else 1 (two tiles).
+  static constexpr int kAhead = kWgmma ? 2 : 1;
+  static constexpr int kTileBufs = kAhead + 1;                // K/V tile pairs
+  static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;  // staging buffers: chunks copied ahead
+  static constexpr int kStride = D + 8;  // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
   static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
   static constexpr int kQBytes = kRows * kStride * 2;
   static constexpr int kKVBytes = kKV * (kWgmma ? D : kStride) * 2;  // one K or V tile
   static constexpr int kDescBytes = 32;
   static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
   static constexpr int kSmemBytes =
-      kAlign + 4 * kKVBytes + kStages * kStageBytes + kQBytes + kPlanRing * (kDescBytes + 8 * kMaxBlocks);
+      kAlign + 2 * kTileBufs * kKVBytes + kStages * kStageBytes + kQBytes + kPlanRing * (kDescBytes + 8 * kMaxBlocks);
   static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
                 "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64n128");
   static_assert(kBlocks <= kMaxBlocks && kBlocks <= kDescBytes, "a planner lane plans each block of a chunk");
   static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
-  static_assert(kStages >= 2 && kStages < kPlanRing, "a chunk's plans outlive its staging and its rebuild");
+  static_assert(kStages >= 2 && kStages + kAhead <= kPlanRing, "a chunk's plans outlive its staging and its rebuild");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA fits on an SM");
 };
 
@@ -377,25 +388,20 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
   }
 }
 
-// One compute warp's 16 rows: O += softmax(Q K^T) V over one chunk of K/V tiles (ks, vs) at key c0, the online softmax
-// state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for some
-// row of the warp; rel_pos: the rows' positions relative to c0 (clamped), kv_rem: kv_len - c0 (clamped). With wgmma
-// the four warps of a warpgroup call it together, Q read by descriptor from the swizzled Q tile (held in registers, its
-// 32 registers a thread made ptxas spill the loop's addresses); else each warp alone, Q's fragments read from qs.
-template <int D, bool kCap>
-__device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs, const uint16_t* ks,
-                                             const uint16_t* vs, int warp, int lane, bool masked, const int rel_pos[2],
-                                             int kv_rem, float (&o)[D / 8][4], float m_run[2], float l_run[2]) {
+// S = Q K^T for one compute warp's 16 rows over one chunk's K tile (ks). With wgmma the four warps of a warpgroup
+// call it together, Q read by descriptor from the swizzled Q tile (held in registers, its 32 registers a thread made
+// ptxas spill the loop's addresses), and the MMAs are only started: attend_chunk waits for them, so that the rebuild
+// of the next chunk runs while the tensor cores work. Else each warp alone, Q's fragments read from qs.
+template <int D>
+__device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t* ks, int warp, int lane,
+                                             float (&s)[Cfg<D>::kKV / 8][4]) {
   using C = Cfg<D>;
   constexpr int kSN = C::kKV / 8;  // S n-tiles of 8 keys
-  const int t = lane % 4;
-
-  // S = Q K^T over the chunk's keys.
-  float s[kSN][4];
 #pragma unroll
   for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
   if constexpr (C::kWgmma) {
-    // K-major B: the K tile's rows are keys; k-step k is 32 bytes into the swizzle row of column block k / 4.
+    // K-major A and B: Q's rows are query rows, the K tile's keys; k-step k is 32 bytes into the swizzle row of
+    // column block k / 4.
     const uint32_t kb = smem_u32(ks), qb = smem_u32(qs) + warp / 4 * (64 * 128);  // the warpgroup's 64 rows of Q
     fence_accumulators(s);
     wgmma_fence();
@@ -405,8 +411,6 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
                       smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
     }
     wgmma_commit();
-    wgmma_wait_all();
-    fence_accumulators(s);
   } else {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
@@ -421,6 +425,20 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
       }
     }
   }
+}
+
+// One compute warp's 16 rows: O += softmax(S) V over one chunk (S from start_scores, the V tile vs), the online
+// softmax state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for
+// some row of the warp; rel_pos: the rows' positions relative to the chunk's first key (clamped), kv_rem: kv_len
+// minus that key (clamped). With wgmma the four warps of a warpgroup call it together, S has landed, and P V is only
+// started: the caller waits for it, and keeps P's fragments (pa, P V's A operand, read until then) alive to there.
+template <int D, bool kCap>
+__device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], const uint16_t* vs,
+                                             int lane, bool masked, const int rel_pos[2], int kv_rem,
+                                             float (&o)[D / 8][4], float m_run[2], float l_run[2],
+                                             uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+  using C = Cfg<D>;
+  const int t = lane % 4;
 
   if (masked) {
     online_softmax<D, kCap, true>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
@@ -429,7 +447,6 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
   }
 
   // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
-  uint32_t pa[C::kKV / 16][4];
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
     pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
@@ -445,9 +462,7 @@ __device__ __forceinline__ void attend_chunk(const Params& p, const uint16_t* qs
     for (int kk = 0; kk < C::kKV / 16; ++kk) {
       wgmma_m64n128k16_mn(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
     }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_accumulators(o);
+    wgmma_commit();  // the caller waits (wgmma_wait_all, then fence_accumulators(o))
   } else {
 #pragma unroll
     for (int kk = 0; kk < C::kKV / 16; ++kk) {
@@ -471,8 +486,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
-  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [2][K, V][kKVBytes]
-  uint8_t* stages = smem + 4 * C::kKVBytes;                                               // [kS][kStageBytes]
+  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [kTileBufs][K, V][kKVBytes]
+  uint8_t* stages = smem + 2 * C::kTileBufs * C::kKVBytes;                                // [kS][kStageBytes]
   uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kRows][kStride]
   uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);               // [kPlanRing][kDescBytes]
   int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
@@ -526,28 +541,37 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int64_t c_first = lo / kTileTokens * kTileTokens;
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
-  const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % 2) * 2 + is_v) * (C::kKVBytes / 2); };
+  const auto kv_tile = [&](int ci, int is_v) {
+    return kv_tiles + ((ci % C::kTileBufs) * 2 + is_v) * (C::kKVBytes / 2);
+  };
 
-  if (warp == kPlanner) {
-    // ---- The planner: publishes the plans of chunk ci + kS + 1 while chunk ci is multiplied (the compute warps copy
-    // chunk ci + kS in that step). The first kS + 1 chunks are planned at once (page id, words and plan in a chain,
-    // once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta words one, each step
-    // using what the step before loaded, so that the planner never waits on a load in the step that issues it.
+  if (warp >= kPlanner) {
+    setmaxnreg_dec<kPlannerRegs>();
+    if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
+      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      return;
+    }
+    // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
+    // copy chunk ci + kS + kAhead - 1 in that step). The first kS + kAhead chunks are planned at once (page id, words
+    // and plan in a chain, once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta
+    // words one, each step using what the step before loaded, so that the planner never waits on a load in the step
+    // that issues it.
+    constexpr int kLead = kS + C::kAhead;
     MetaWords<D> words;
     const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
     const auto publish = [&](int ci, BlockPlan plan) {
       publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks, lane);
     };
-    for (int ci = 0; ci <= kS && ci < chunks; ++ci) {
+    for (int ci = 0; ci < kLead && ci < chunks; ++ci) {
       load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
       publish(ci, plan_block<D>(p, chunk_key(ci), lane, words));
     }
-    if (kS + 1 < chunks) load_meta_words<D>(p, head, chunk_key(kS + 1), hi, lane, page_of(kS + 1), words);
-    int32_t page_next = page_of(kS + 2);
-    __syncthreads();  // the plans of chunks 0..kS published
-    __syncthreads();  // chunk 0 rebuilt
+    if (kLead < chunks) load_meta_words<D>(p, head, chunk_key(kLead), hi, lane, page_of(kLead), words);
+    int32_t page_next = page_of(kLead + 1);
+    __syncthreads();  // the plans of chunks 0..kLead - 1 published
+    __syncthreads();  // chunks 0..kAhead - 1 rebuilt
     for (int ci = 0; ci < chunks; ++ci) {
-      const int next = ci + kS + 1;
+      const int next = ci + kLead;
       if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
       if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
       page_next = page_of(next + 2);
@@ -558,6 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   }
 
   // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
+  setmaxnreg_inc<kComputeRegs>();
   // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
   // whether any of its rows is real. A chunk is skipped, or the rows multiplied at all, by the unit that issues the
   // MMAs together: the warpgroup of 64 rows with wgmma, else the warp.
@@ -602,31 +627,80 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
-  __syncthreads();  // Q staged, the plans of chunks 0..kS published
-  for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
-  cp_async_wait<kS - 1>();  // chunk 0
-  if (chunks > 0) rebuild_chunk(0);
-  __syncthreads();
-  for (int ci = 0; ci < chunks; ++ci) {
-    issue_chunk(ci + kS);     // into the staging chunk ci left
-    cp_async_wait<kS - 1>();  // chunk ci + 1, copied two steps ago
-    if (ci + 1 < chunks) rebuild_chunk(ci + 1);
-    const int64_t c0 = chunk_key(ci);
-    // Which rows of the warp this chunk reaches: all keys masked for every row (causal: past the last row; window:
-    // before the first row's window) skip the chunk; masks only where some key of some row falls outside.
-    const bool none = (p.causal && c0 > upos_hi) || (p.window_left >= 0 && c0 + C::kKV - 1 < upos_lo - p.window_left);
-    if (unit_active && !none) {
-      const bool masked = c0 + C::kKV > kv_len || (p.causal && c0 + C::kKV - 1 > wpos_lo) ||
-                          (p.window_left >= 0 && c0 < wpos_hi - p.window_left);
-      constexpr int64_t kFar = int64_t{1} << 30;  // past any key of a chunk, and any window
-      int rel_pos[2];
+  // Which rows of the warp chunk ci reaches: all keys masked for every row (causal: past the last row; window:
+  // before the first row's window) skip the chunk; masks only where some key of some row falls outside.
+  const auto chunk_none = [&](int64_t c0) {
+    return (p.causal && c0 > upos_hi) || (p.window_left >= 0 && c0 + C::kKV - 1 < upos_lo - p.window_left);
+  };
+  const auto chunk_masked = [&](int64_t c0) {
+    return c0 + C::kKV > kv_len || (p.causal && c0 + C::kKV - 1 > wpos_lo) ||
+           (p.window_left >= 0 && c0 < wpos_hi - p.window_left);
+  };
+  constexpr int64_t kFar = int64_t{1} << 30;  // past any key of a chunk, and any window
+  const auto relative = [&](int64_t c0, int rel_pos[2]) {
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
-      const int kv_rem = static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));
-      attend_chunk<D, kCap>(p, qs, kv_tile(ci, 0), kv_tile(ci, 1), warp, lane, masked, rel_pos, kv_rem, o, m_run,
-                            l_run);
+    for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
+    return static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));  // kv_rem
+  };
+
+  // Copies kS chunks ahead of their rebuild, rebuilds kAhead chunks ahead of their multiply. A chunk's staging
+  // buffer is refilled right after its rebuild: in step ci with chunk ci + kAhead - 1 + kS.
+  __syncthreads();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
+  for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
+#pragma unroll
+  for (int r = 0; r < C::kAhead; ++r) {
+    cp_async_wait<kS - 1>();  // chunk r
+    if (r < chunks) rebuild_chunk(r);
+    if (r + 1 < C::kAhead) issue_chunk(r + kS);
+  }
+  __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+  if constexpr (C::kWgmma) {
+    // S of chunk ci + 1 is started before chunk ci's softmax, P V of chunk ci waited for after the rebuild of chunk
+    // ci + 2; every warpgroup runs every chunk's MMAs (a chunk it does not reach, or rows past the tile's, is masked
+    // whole, its results unused), so that no MMA is issued or waited for under a branch: ptxas serializes wgmma that
+    // it cannot prove uniform.
+    float s_cur[C::kKV / 8][4], s_next[C::kKV / 8][4];
+    uint32_t pa[C::kKV / 16][4];
+    start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
+    wgmma_wait_all();
+    fence_accumulators(s_cur);
+    for (int ci = 0; ci < chunks; ++ci) {
+      issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
+      start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);  // past the last chunk: stale bytes, never used
+      const int64_t c0 = chunk_key(ci);
+      int rel_pos[2];
+      const int kv_rem = relative(c0, rel_pos);
+      const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
+      attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+      cp_async_wait<kS - 1>();  // chunk ci + 2, copied a step ago
+      if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+      wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
+      fence_accumulators(o);
+      fence_accumulators(s_next);
+      fence_fragments(pa);
+#pragma unroll
+      for (int n = 0; n < C::kKV / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
+      }
+      __syncthreads();  // chunk ci + 2 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 2 published
     }
-    __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
+  } else {
+    for (int ci = 0; ci < chunks; ++ci) {
+      issue_chunk(ci + kS);     // into the staging chunk ci left
+      cp_async_wait<kS - 1>();  // chunk ci + 1, copied two steps ago
+      if (ci + 1 < chunks) rebuild_chunk(ci + 1);
+      const int64_t c0 = chunk_key(ci);
+      if (unit_active && !chunk_none(c0)) {
+        float s[C::kKV / 8][4];
+        start_scores<D>(qs, kv_tile(ci, 0), warp, lane, s);
+        int rel_pos[2];
+        const int kv_rem = relative(c0, rel_pos);
+        uint32_t pa[C::kKV / 16][4];
+        attend_chunk<D, kCap>(p, s, kv_tile(ci, 1), lane, chunk_masked(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+      }
+      __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
+    }
   }
   if (refused) atomicOr(&s_bad, 1);
   __syncthreads();
