@@ -61,10 +61,6 @@ constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> 
 constexpr int kMaxBlocks = 32;             // blocks of a chunk at most: one per planner lane
 constexpr uint8_t kDescSkip = 0xFE;        // a tile outside the CTA's keys: zeros, never read
 constexpr uint8_t kDescBad = 0xFF;         // a refused block: zeros, and the request becomes NaN
-// Staged as zeros and rebuilt as a raw block (the two above). No short-circuit operators in these tests: they would
-// be branches in the copy and rebuild lines.
-__device__ __forceinline__ bool desc_zero(uint32_t desc) { return desc >= kDescSkip; }
-__device__ __forceinline__ bool desc_packed(uint32_t desc) { return (desc != kDescRaw) & (desc < kDescSkip); }
 
 struct Params {
   const uint16_t* q;          // [nnz_q, Hq, D]
@@ -126,22 +122,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-// The same under a predicate, as one predicated instruction: a warp's copies of a chunk stay one straight line with no
-// branch on a block's kind. cp_async16_zfill copies src_bytes (16 or 0) of 16 and fills the rest with zeros: 0 reads
-// nothing.
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool on, int src_bytes) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %3;\n}\n" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(static_cast<int>(on)), "r"(src_bytes)
-      : "memory");
-}
-__device__ __forceinline__ void cp_async8_if(void* dst, const void* src, bool on) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], 8;\n}\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(static_cast<int>(on))
-               : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most n of this thread's most recent copy groups are still in flight.
@@ -284,87 +264,58 @@ __device__ __forceinline__ void publish_plans(BlockPlan plan, uint8_t* descs, in
   if (lane < Cfg<D>::kBlocks) descs[lane] = static_cast<uint8_t>(plan.desc), srcs[lane] = plan.src;
 }
 
-// A compute warp starts the copies of its planned blocks j0 .. j0 + kN - 1 of a chunk into its staging buffer, still
-// in the format: each lane its 16 positions, 16 low bytes and 8 code bytes of a compressed block, or the two 16-byte
-// pieces of a raw one. A block outside the CTA's keys or refused is staged as a raw block of zeros (nothing read), so
-// that the rebuild reads it as it reads a raw block. Every plan is loaded before the first copy starts (the copies are
-// asm volatile: a load written after one would wait for it), and the copies are predicated, not branched on.
-template <int kN>
-__device__ __forceinline__ void issue_blocks(const Params& p, const uint8_t* descs, const int64_t* srcs, uint8_t* stage,
-                                             int j0, int lane) {
-  uint8_t desc[kN];
-  int64_t off[kN];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) desc[i] = descs[j0 + i], off[i] = srcs[j0 + i];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const bool zero = desc_zero(desc[i]), raw = !desc_packed(desc[i]);
-    const uint8_t* src = p.data + (zero ? 0 : off[i]);
-    uint8_t* dst = stage + (j0 + i) * kRawBlockBytes;
-    const int bytes = zero ? 0 : 16;
-    cp_async16_zfill(dst + 16 * lane, src + 16 * lane, true, bytes);
-    cp_async16_zfill(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane, raw, bytes);
-    cp_async8_if(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane, !raw);
+// A compute warp starts the copy of planned block j of a chunk into its staging buffer, still in the format: each
+// lane its 16 positions, 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
+__device__ __forceinline__ void issue_block(const Params& p, uint32_t desc, int64_t off, uint8_t* dst, int lane) {
+  if (desc == kDescSkip || desc == kDescBad) return;
+  const uint8_t* src = p.data + off;
+  cp_async16(dst + 16 * lane, src + 16 * lane);
+  if (desc == kDescRaw) {
+    cp_async16(dst + kRawHalfBytes + 16 * lane, src + kRawHalfBytes + 16 * lane);
+  } else {
+    cp_async8(dst + kLowBytes + 8 * lane, src + kLowBytes + 8 * lane);
   }
 }
 
-// Rebuilds staged blocks j0 .. j0 + kN - 1 of the chunk at key c0 into bf16 in the K or V tile (tile_offset's
-// layout): each lane's 8 words in position order (format.h), which are its fragments of four 8x8 matrices of the
-// block, go out by two stmatrix (store_block). In one straight line for the kN blocks, every load first: a compressed
-// block's words are decoded, a raw one's (or a zero block's, issue_blocks) are taken as loaded, chosen by selects, so
-// that ptxas can overlap one block's loads with another's arithmetic. Values of tokens at or past kv_len are then
-// zeroed in V (an open page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is
-// 0). Returns whether a block was refused.
-template <int D, int kN>
-__device__ __forceinline__ bool rebuild_blocks(int j0, int64_t c0, int64_t kv_len, const uint8_t* stage,
-                                               const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
-  uint8_t desc[kN];
-  uint4 low[kN];
-  uint2 b0[kN], b1[kN];  // a compressed block's code bytes (b0), or a raw block's second piece
+// Rebuilds staged block j into bf16 in the K or V tile (tile_offset's layout): the lane's 8 words in position order
+// (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix (store_block). Values
+// of tokens at or past kv_len are zeroed in V (an open page's free slots may hold any bit pattern, and 0 * NaN would
+// poison O although their weight is 0).
+template <int D>
+__device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
+                                              const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
+  const BlockOf<D> blk(j);
+  const int tile = blk.tile, is_v = blk.is_v, span = blk.span;
+  const uint8_t desc = descs[j];
+  const uint8_t* src = stage + j * kRawBlockBytes;
+  uint32_t w[8];
+  if (desc == kDescSkip || desc == kDescBad) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i) desc[i] = descs[j0 + i];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const bool packed = desc_packed(desc[i]);
-    const uint8_t* src = stage + (j0 + i) * kRawBlockBytes;
-    low[i] = *reinterpret_cast<const uint4*>(src + 16 * lane);
-    const uint8_t* rest = packed ? src + kLowBytes + 8 * lane : src + kRawHalfBytes + 16 * lane;
-    b0[i] = *reinterpret_cast<const uint2*>(rest);
-    b1[i] = *reinterpret_cast<const uint2*>(rest + 8);  // a compressed block: bytes of the block not its own, unused
+    for (int m = 0; m < 8; ++m) w[m] = 0;
+  } else if (desc == kDescRaw) {
+    const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+  } else {
+    decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
+                *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
   }
-  bool refused = false;
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const bool packed = desc_packed(desc[i]);
-    uint32_t w[8];
-    decode_lane(low[i], b0[i], desc[i], w);
-    const uint32_t as_loaded[8] = {low[i].x, low[i].y, low[i].z, low[i].w, b0[i].x, b0[i].y, b1[i].x, b1[i].y};
-#pragma unroll
-    for (int m = 0; m < 8; ++m) w[m] = packed ? w[m] : as_loaded[m];
-    const BlockOf<D> blk(j0 + i);
-    store_block<D>(blk.is_v ? vs : ks, blk.is_v, lane, w, blk.tile * kTileTokens, blk.span * kBlockDims);
-    refused |= desc[i] == kDescBad;
-  }
-  if (c0 + Cfg<D>::kKV > kv_len) {  // the chunk holds kv_len's end: zero V past it
+  uint16_t* const dst = is_v ? vs : ks;
+  store_block<D>(dst, is_v, lane, w, tile * kTileTokens, span * kBlockDims);
+  const int64_t tok = c0 + int64_t{tile} * kTileTokens;
+  if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
     __syncwarp();
+    const int valid = static_cast<int>(kv_len - tok);  // in [1, 16): the tile holds kv_len's last tokens
+    // 16 rows x 4 pieces of 16 bytes; lane k zeroes pieces k and k + 32 where their row is past kv_len.
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      const BlockOf<D> blk(j0 + i);
-      const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
-      if (!blk.is_v || desc[i] == kDescSkip || tok + kTileTokens <= kv_len) continue;
-      const int valid = static_cast<int>(kv_len - tok);  // in [1, 16): the tile holds kv_len's last tokens
-      // 16 rows x 4 pieces of 16 bytes; lane k zeroes pieces k and k + 32 where their row is past kv_len.
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int piece = lane + 32 * k, row = piece / 4;
-        if (row < valid) continue;
-        *reinterpret_cast<uint4*>(
-            vs + tile_offset<D>(blk.tile * kTileTokens + row, blk.span * kBlockDims + (piece % 4) * 8)) =
-            make_uint4(0, 0, 0, 0);
-      }
+    for (int k = 0; k < 2; ++k) {
+      const int piece = lane + 32 * k, row = piece / 4;
+      if (row < valid) continue;
+      *reinterpret_cast<uint4*>(dst + tile_offset<D>(tile * kTileTokens + row, span * kBlockDims + (piece % 4) * 8)) =
+          make_uint4(0, 0, 0, 0);
     }
   }
-  return refused;
+  return desc == kDescBad;
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
@@ -657,15 +608,22 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (ci < chunks) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
-      issue_blocks<kPerWarp>(p, descs, srcs, stages + ci % kS * C::kStageBytes, warp * kPerWarp, lane);
+#pragma unroll
+      for (int i = 0; i < kPerWarp; ++i) {
+        const int j = warp * kPerWarp + i;
+        issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
+      }
     }
     cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
   };
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
-    refused |= rebuild_blocks<D, kPerWarp>(warp * kPerWarp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0),
-                                           kv_tile(ci, 1), lane);
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int j = warp * kPerWarp + i;
+      refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
+    }
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
