@@ -58,13 +58,16 @@ from bench_hf import LLAMA_8B, TINY
 SYSTEMS = {"zipkv+cache": dict(compress=True, prefix_caching=True), "zipkv": dict(compress=True, prefix_caching=False),
            "raw+cache": dict(compress=False, prefix_caching=True)}
 WORKLOADS = ("shared", "chat")
-SIZES = {  # per mode: the workloads' lengths and counts, the budget, the prefill chunk
+SIZES = {  # per mode: the workloads' lengths and counts, the budget, the prefill chunk, the engine's compress_every
     "full": dict(shared_prefix_len=4096, private_len=512, gen_len=256, requests=256, conversations=64, turns=4,
-                 first_len=1024, message_len=256, rate=16.0, budget="16GiB", prefill_chunk=2048, warmup=4),
+                 first_len=1024, message_len=256, rate=16.0, budget="16GiB", prefill_chunk=2048, warmup=4,
+                 compress_every=8),
     "quick": dict(shared_prefix_len=4096, private_len=512, gen_len=64, requests=64, conversations=16, turns=3,
-                  first_len=1024, message_len=256, rate=32.0, budget="8GiB", prefill_chunk=2048, warmup=2),
+                  first_len=1024, message_len=256, rate=32.0, budget="8GiB", prefill_chunk=2048, warmup=2,
+                  compress_every=8),
     "tiny": dict(shared_prefix_len=256, private_len=32, gen_len=16, requests=24, conversations=6, turns=3,
-                 first_len=64, message_len=32, rate=200.0, budget="4MiB", prefill_chunk=256, warmup=2),
+                 first_len=64, message_len=32, rate=200.0, budget="4MiB", prefill_chunk=256, warmup=2,
+                 compress_every=8),
 }
 
 
@@ -203,7 +206,8 @@ def run_job(spec: dict, report: dict) -> None:
     report["weight_bytes"] = weight_bytes(model)
     budget = budget_bytes_fixed(spec["sizes"]["budget"])
     engine = Engine(model, max_kv_bytes=budget, prefill_chunk=spec["sizes"]["prefill_chunk"],
-                    cuda_graphs=device.type == "cuda", **SYSTEMS[spec["system"]])
+                    compress_every=spec["sizes"]["compress_every"], cuda_graphs=device.type == "cuda",
+                    **SYSTEMS[spec["system"]])
     report.update(budget_bytes=budget, kv_bytes_total=engine.stats()["kv_bytes_total"],
                   setup_s=time.perf_counter() - t)
     if spec["sizes"]["warmup"]:  # one turn each, tokens other than the load's
@@ -356,7 +360,7 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     for name in ("shared-prefix-len", "private-len", "gen-len", "requests", "conversations", "turns", "first-len",
-                 "message-len", "prefill-chunk", "warmup"):
+                 "message-len", "prefill-chunk", "warmup", "compress-every"):
         p.add_argument(f"--{name}", type=int, default=None, help="default: the mode's (see SIZES)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (inf: all at once)")
     p.add_argument("--budget", type=parse_budget, default=None, help="KV budget, e.g. 16GiB (default: the mode's)")

@@ -40,6 +40,17 @@
 #   call 15 (af70869, reverted in e6dbbda): run15.sh -> bench_prefill_s_overlap.json; prefill + engine tests 174
 #                     passed, 1 skipped
 
+#   later again (two calls for nvidia-h100-x1 and nvidia-h200 found no machine), kind nvidia-h100-x1, an H100 80GB HBM3;
+#   .box/pipeline3.patch is `git revert 17abb18` on 44c4eab (its one conflict, the header comment, taken from c4fa71d):
+#   call 16 (44c4eab): COMMIT=44c4eab bash run16.sh -> bench_prefix_rate_inf.json (every request at once),
+#                     ../bench_prefix_h100.json/.md/.png (16 requests/s; dfe0bc1 measured)
+#   call 17 (44c4eab + pipeline3.patch, committed as the three-stage pipeline): COMMIT=44c4eab bash run17.sh ->
+#                     ../bench_prefill_h100.json; prefill + engine tests passed
+#   call 18 (the same tree): run11.sh's ncu lines (--set full) -> ncu_prefill_stalls.md's row 18
+#   call 19 (the same tree): python3 -m pytest test -n 12 -> 762 passed, 10 skipped; 2 failed (call 20), and
+#                     test_compile.py not collected (the box lacks expecttest)
+#   call 20 (44c4eab, no patch): pytest test/test_engine_prefix.py -k shared_prefix_once -> the same 2 failures with
+#                     the same tokens: not the patch (docs/performance.md, "Prefill attention")
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
 # CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
@@ -255,4 +266,37 @@ timeout 150 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_c
   | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -3
 echo "tests rc=${PIPESTATUS[0]} at $SECONDS s"
 timeout 200 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -6
+echo "all $SECONDS s"
+
+# ---- .box/run16.sh
+# dfe0bc1 (compression rounds' move ranges expanded on the device): bench_prefix's shared load, zipkv+cache against
+# raw+cache, with every request arriving at once (--rate inf: memory-bound), then at the default 16 requests/s.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix" "$OUT/prefix_inf"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix_inf" --workloads shared --systems zipkv+cache raw+cache --rate inf \
+  --time-limit 330 2>&1 | tee "$OUT/prefix_inf/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -8
+echo "rate inf at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit $((585 - SECONDS)) 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | tail -8
+echo "all $SECONDS s"
+
+# ---- .box/run17.sh
+# Three-stage pipeline at d 128 (c4fa71d: setmaxnreg, K/V rebuilt two chunks ahead, S(i+1) under softmax(i)),
+# applied as a patch on main: CUDA prefill + engine tests; bench_prefill --quick with FlashInfer.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT+pipeline3
+git apply .box/pipeline3.patch 2>/dev/null || patch -p1 < .box/pipeline3.patch || exit 1
+grep -c "setmaxnreg" csrc/cuda/paged_prefill.cuh csrc/cuda/wgmma.cuh
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 180 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -6
+echo "tests rc=${PIPESTATUS[0]} at $SECONDS s"
+timeout 240 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
