@@ -58,6 +58,25 @@ def test_tokens_equal_caching_off_and_generate(arch, case):
         ref.check(list(prompt), tokens)
 
 
+def test_a_burst_over_one_prefix_prefills_it_once(llama):
+    """Requests over one 64-token prefix (4 pages) that all arrive at once: the first prefills it, and each other is
+    admitted only once the step's prefill budget reaches it, by when the prefix is cached, so it prefills only its own
+    tokens (admitted at once, each would look the cache up before the prefix is there and prefill a copy of its own).
+    Its tokens are transformers'."""
+    model, ref = llama
+    rng = random.Random(3)
+    prefix = prompts_of(rng, [64])[0]
+    prompts = [prefix + p for p in prompts_of(rng, [rng.randint(1, 15) for _ in range(6)])]
+    eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=32)
+    assert eng.kv.capacity(max(map(len, prompts)), 4).requests >= len(prompts)  # memory would admit all at once
+    outs = run_all(eng, [(0, p, SamplingParams(max_new_tokens=4)) for p in prompts])
+    stats = eng.stats()
+    assert stats["prefix_hits"] == len(prompts) - 1 and stats["prefix_cached_tokens"] == 64 * (len(prompts) - 1)
+    assert stats["prefilled_tokens"] == len(prompts[0]) + sum(len(p) - 64 for p in prompts[1:])
+    for o in outs.values():
+        ref.check(o[-1].prompt_token_ids, o[-1].token_ids)
+
+
 def shared_prefix_arrivals(rng: random.Random, requests: int, new_tokens: int) -> list:
     """A 100-token prompt prefix (6 whole pages) and ``requests`` prompts over it: the first request prefills the
     prefix (7 steps of 16 tokens at most) and decodes on while the others arrive at step 8, find its pages and decode

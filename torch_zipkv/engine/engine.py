@@ -127,7 +127,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs=on_cuda and cuda_graphs is not False,
                                   compile=compile, max_batch=max_batch, shared_prefix=shared_prefix)
         self.scheduler = Scheduler(self.kv, max_batch=max_batch, release=self.runner.free_row,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, prefill_budget=prefill_chunk)
         self._empty_pages = self.kv.capacity().pages  # what one request may be promised in an empty cache
 
         self._rng = random.Random(seed)

@@ -53,15 +53,20 @@ class Scheduler:
     cache holds (``match_prefix``), and only the rest is prefilled; at least its last prompt token is, whose logits
     give the first token. Its budget then counts only its own pages (the prefix pages are held, not charged). The
     pages a request fills become findable as soon as they are full in every layer: prompt pages after each prefill
-    chunk, generated ones when it ends. What is found depends only on token ids and on the cache's host state, which
-    every tensor-parallel rank replays identically, so every rank finds the same pages. A ``kv_source`` request
+    chunk, generated ones when it ends. So with ``prefill_budget`` (the engine's ``prefill_chunk``) a request is
+    admitted only while the running requests' prompt tokens still to prefill are fewer than that: admitted sooner it
+    would wait for prefill all the same, and would have looked the cache up before the requests ahead of it cached
+    the prefix it may share with them (a burst of requests over one system prompt would each prefill a copy). What
+    is found depends only on token ids and on the cache's host state, which every tensor-parallel rank replays
+    identically, so every rank finds the same pages. A ``kv_source`` request
     neither finds nor leaves pages: its K/V are not the model's.
 
     Outputs: :meth:`report` returns each request's new tokens once, and its finished output exactly once."""
 
     def __init__(self, kv, *, max_batch: int | None = None, release: Callable[[Request], None] = lambda r: None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, prefill_budget: int | None = None):
         self.kv, self.max_batch, self.release, self.prefix_caching = kv, max_batch, release, prefix_caching
+        self.prefill_budget = prefill_budget
         self.prompt_tokens = 0  # of the requests admitted with prefix caching
         self.cached_tokens = 0  # of those, found in the cache
         self.hits = 0  # requests admitted with a prefix found
@@ -103,6 +108,8 @@ class Scheduler:
         while self.waiting:
             if self.max_batch is not None and len(self.running) >= self.max_batch:
                 return
+            if self.prefix_caching and self.prefill_budget is not None and self._to_prefill() >= self.prefill_budget:
+                return
             req = self.waiting[0]
             prefix = self._find_prefix(req)
             try:
@@ -119,6 +126,10 @@ class Scheduler:
                 self.cached_tokens += req.cached
                 self.hits += bool(prefix)
             yield req
+
+    def _to_prefill(self) -> int:
+        """Prompt tokens the running requests still have to prefill."""
+        return sum(len(r.prompt) - r.prefilled for r in self.running if r.state == "prefill")
 
     def _caches(self, req: Request) -> bool:
         return self.prefix_caching and req.kv_source is None
