@@ -58,8 +58,8 @@ class Scheduler:
     would wait for prefill all the same, and would have looked the cache up before the requests ahead of it cached
     the prefix it may share with them (a burst of requests over one system prompt would each prefill a copy). What
     is found depends only on token ids and on the cache's host state, which every tensor-parallel rank replays
-    identically, so every rank finds the same pages. A ``kv_source`` request
-    neither finds nor leaves pages: its K/V are not the model's.
+    identically, so every rank finds the same pages. A ``kv_source`` request neither finds nor leaves pages: its
+    K/V are not the model's.
 
     Outputs: :meth:`report` returns each request's new tokens once, and its finished output exactly once."""
 
