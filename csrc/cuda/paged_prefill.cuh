@@ -403,7 +403,7 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
     // K-major A and B: Q's rows are query rows, the K tile's keys; k-step k is 32 bytes into the swizzle row of
     // column block k / 4.
     const uint32_t kb = smem_u32(ks), qb = smem_u32(qs) + warp / 4 * (64 * 128);  // the warpgroup's 64 rows of Q
-    fence_accumulators(s);
+    fence_registers(s);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
@@ -456,13 +456,13 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
   if constexpr (C::kWgmma) {
     // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
     const uint32_t vb = smem_u32(vs);
-    fence_accumulators(o);
+    fence_registers(o);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kKV / 16; ++kk) {
       wgmma_m64n128k16_mn(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
     }
-    wgmma_commit();  // the caller waits (wgmma_wait_all, then fence_accumulators(o))
+    wgmma_commit();  // the caller waits (wgmma_wait_all, then fence_registers(o))
   } else {
 #pragma unroll
     for (int kk = 0; kk < C::kKV / 16; ++kk) {
@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     uint32_t pa[C::kKV / 16][4];
     start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
-    fence_accumulators(s_cur);
+    fence_registers(s_cur);
     for (int ci = 0; ci < chunks; ++ci) {
       issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
       start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);  // past the last chunk: stale bytes, never used
@@ -675,9 +675,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       cp_async_wait<kS - 1>();  // chunk ci + 2, copied a step ago
       if (ci + 2 < chunks) rebuild_chunk(ci + 2);
       wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
-      fence_accumulators(o);
-      fence_accumulators(s_next);
-      fence_fragments(pa);
+      fence_registers(o);
+      fence_registers(s_next);
+      fence_registers(pa);
 #pragma unroll
       for (int n = 0; n < C::kKV / 8; ++n) {
 #pragma unroll

@@ -25,15 +25,6 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// The same for A fragments in registers, which an MMA in flight still reads.
-template <int N>
-__device__ __forceinline__ void fence_fragments(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
-  }
-}
 // A warpgroup's register budget a thread, raised or lowered (every warp of the warpgroup executes it): the registers
 // one warpgroup gives back are the pool another takes from.
 template <int kRegs>
@@ -44,13 +35,16 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
-// Keeps the compiler from moving reads or writes of accumulators across an async MMA's issue or wait.
-template <int N>
-__device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
+// Keeps the compiler from moving reads or writes of registers an async MMA uses (its accumulators, or A fragments it
+// still reads) across the MMA's issue or wait.
+__device__ __forceinline__ void fence_register(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_register(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+template <typename T, int N>
+__device__ __forceinline__ void fence_registers(T (&x)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+    for (int e = 0; e < 4; ++e) fence_register(x[i][e]);
   }
 }
 
