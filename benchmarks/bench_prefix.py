@@ -175,7 +175,9 @@ class StepTrace:
 
     def summary(self) -> dict:
         """The records as columns (``gpu_ms``: to the next step's start; the last step's is None), and means of
-        wall, wait and device time over the steps that decoded, split by whether they also prefilled."""
+        wall, wait and device time over the steps that decoded, split by whether they also prefilled, and each of
+        those by whether the step ran a compression call (what a call costs: the same kind of step with and
+        without one)."""
         if self._cuda and self.rows:
             torch.cuda.synchronize()
             events = [r.pop("event") for r in self.rows]
@@ -190,6 +192,9 @@ class StepTrace:
 
         groups = {"decode_only": [r for r in self.rows if r["decode_rows"] and not r["prefill_tokens"]],
                   "decode_and_prefill": [r for r in self.rows if r["decode_rows"] and r["prefill_tokens"]]}
+        for g in list(groups):
+            groups[g + ", compression call"] = [r for r in groups[g] if r["compress_round"]]
+            groups[g + ", no call"] = [r for r in groups[g] if not r["compress_round"]]
         means = {g: {"steps": len(rows), **{k: mean(rows, k) for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows",
                                                                          "prefill_tokens")}}
                  for g, rows in groups.items()}
@@ -428,8 +433,8 @@ def main() -> None:
                f"TTFT p50 {job['ttft_s']['p50']:.3f} s, {job['output_tokens_per_s']:.0f} tok/s, "
                f"{job['largest_batch']} at once, hit rate {job['prefix_hit_rate']:.3f}"), flush=True)
         for group, m in job.get("step_trace", {}).get("means", {}).items():
-            print(f"    {group}: {m['steps']} steps, " + ", ".join(
-                f"{k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens")
+            print(f"    {group}: {m['steps']} steps" + "".join(
+                f", {k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens")
                 if m[k] is not None), flush=True)
     result["bars"] = bars({(j["workload"], j["system"]): j for j in result["jobs"] if "error" not in j})
     result["wall_s"] = time.perf_counter() - start
