@@ -74,10 +74,10 @@ __device__ __forceinline__ FragmentRow fragment_row(int is_v, int c, int lane) {
   const int j = lane / 8, r = lane % 8;
   return is_v ? FragmentRow{8 * (j / 2) + r, 2 * c + j % 2} : FragmentRow{8 * (j % 2) + r, 2 * c + j / 2};
 }
-// That row's stage word in a stage of row_words words a row (a block's own stage by default).
-__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane, int row_words = kRowWords) {
+// That row's word in a block's stage.
+__device__ __forceinline__ int fragment_row_word(int is_v, int c, int lane) {
   const FragmentRow f = fragment_row(is_v, c, lane);
-  return f.row * row_words + 4 * f.chunk;
+  return f.row * kRowWords + 4 * f.chunk;
 }
 
 __device__ __forceinline__ void load_lane_words(const uint32_t* stage, int is_v, int lane, uint32_t w[8]) {

@@ -105,10 +105,12 @@ class Scheduler:
         """Admit waiting requests in order while their budgets fit; yields each one admitted (``seq_id`` set, state
         "prefill"), before the next is tried, so the caller can set it up. A caller that cannot set one up aborts it
         (:meth:`finish`) before it asks for the next."""
+        budget = self.prefill_budget if self.prefix_caching else None
+        to_prefill = self._to_prefill() if budget is not None else 0
         while self.waiting:
             if self.max_batch is not None and len(self.running) >= self.max_batch:
                 return
-            if self.prefix_caching and self.prefill_budget is not None and self._to_prefill() >= self.prefill_budget:
+            if budget is not None and to_prefill >= budget:
                 return
             req = self.waiting[0]
             prefix = self._find_prefix(req)
@@ -126,6 +128,8 @@ class Scheduler:
                 self.cached_tokens += req.cached
                 self.hits += bool(prefix)
             yield req
+            if req.state == "prefill":  # (the caller has set up a kv_source request as decoding)
+                to_prefill += len(req.prompt) - req.prefilled
 
     def _to_prefill(self) -> int:
         """Prompt tokens the running requests still have to prefill."""
