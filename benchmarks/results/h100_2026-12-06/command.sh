@@ -45,12 +45,12 @@
 #   call 16 (44c4eab): COMMIT=44c4eab bash run16.sh -> bench_prefix_rate_inf.json (every request at once),
 #                     ../bench_prefix_h100.json/.md/.png (16 requests/s; dfe0bc1 measured)
 #   call 17 (44c4eab + pipeline3.patch, committed as the three-stage pipeline): COMMIT=44c4eab bash run17.sh ->
-#                     ../bench_prefill_h100.json; prefill + engine tests passed
+#                     ../bench_prefill_h100.json; prefill + engine tests passed (test_gpu_pipeline.log: 174, 1 skipped)
 #   call 18 (the same tree): run11.sh's ncu lines (--set full) -> ncu_prefill_stalls.md's row 18
-#   call 19 (the same tree): python3 -m pytest test -n 12 -> 762 passed, 10 skipped; 2 failed (call 20), and
-#                     test_compile.py not collected (the box lacks expecttest)
+#   call 19 (the same tree): python3 -m pytest test -n 12 -> test_all_pipeline.log: 762 passed, 10 skipped; 2 failed
+#                     (call 20), and test_compile.py not collected (the box lacks expecttest)
 #   call 20 (44c4eab, no patch): pytest test/test_engine_prefix.py -k shared_prefix_once -> the same 2 failures with
-#                     the same tokens: not the patch (docs/performance.md, "Prefill attention")
+#                     the same tokens: not the patch (test_shared_prefix_once_44c4eab.log; docs/performance.md)
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
 # CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
