@@ -87,9 +87,9 @@ def load_of(spec: dict, n: int, seed: int):
 class StepTrace:
     """Per-step records of an engine's load, to tell where a step's time goes: the host's wall time of each
     ``step()`` call, the part of it spent waiting for the device (``read_back``: the step before's tokens), the decode
-    rows and prefill tokens it launched, whether it called compress_full_pages or ran the shared-prefix pass, and on
-    CUDA the device's time from this step's first launch to the next step's (an event at each step's start: the GPU's
-    timeline per step, idle gaps included)."""
+    rows and prefill tokens it launched, whether it called compress_full_pages (and the host time the call took) or ran
+    the shared-prefix pass, and on CUDA the device's time from this step's first launch to the next step's (an event
+    at each step's start: the GPU's timeline per step, idle gaps included)."""
 
     def __init__(self, engine, profile_name: str | None = None):
         self.engine, self.rows = engine, []
@@ -116,7 +116,10 @@ class StepTrace:
 
     def _traced_compress(self, *args, **kwargs):
         self._cur["compress_round"] = True
-        return self._compress(*args, **kwargs)
+        t = time.perf_counter()
+        out = self._compress(*args, **kwargs)
+        self._cur["compress_ms"] = (time.perf_counter() - t) * 1e3  # host time: the device may wait for it
+        return out
 
     def _traced_rb(self, in_flight):
         t = time.perf_counter()
@@ -127,7 +130,7 @@ class StepTrace:
     def _traced_step(self):
         e = self.engine
         self._cur = {"decode_rows": 0, "prefill_tokens": 0, "wait_ms": 0.0,
-                     "compress_round": False}
+                     "compress_round": False, "compress_ms": 0.0}
         shared = e.runner.shared_steps
         if self._cuda:
             self._cur["event"] = torch.cuda.Event(enable_timing=True)
@@ -184,7 +187,8 @@ class StepTrace:
             for r, a, b in zip(self.rows, events, events[1:] + [None]):
                 r["gpu_ms"] = a.elapsed_time(b) if b is not None else None
         cols = {k: [r.get(k) for r in self.rows] for k in
-                ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens", "compress_round", "shared_pass")}
+                ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens", "compress_round", "compress_ms",
+                 "shared_pass")}
 
         def mean(rows, key):
             vals = [r[key] for r in rows if r.get(key) is not None]
@@ -195,8 +199,8 @@ class StepTrace:
         for g in list(groups):
             groups[g + ", compression call"] = [r for r in groups[g] if r["compress_round"]]
             groups[g + ", no call"] = [r for r in groups[g] if not r["compress_round"]]
-        means = {g: {"steps": len(rows), **{k: mean(rows, k) for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows",
-                                                                         "prefill_tokens")}}
+        means = {g: {"steps": len(rows), **{k: mean(rows, k) for k in ("wall_ms", "wait_ms", "gpu_ms", "compress_ms",
+                                                                         "decode_rows", "prefill_tokens")}}
                  for g, rows in groups.items()}
         return {"columns": cols, "means": means}
 
@@ -434,7 +438,8 @@ def main() -> None:
                f"{job['largest_batch']} at once, hit rate {job['prefix_hit_rate']:.3f}"), flush=True)
         for group, m in job.get("step_trace", {}).get("means", {}).items():
             print(f"    {group}: {m['steps']} steps" + "".join(
-                f", {k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens")
+                f", {k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "compress_ms", "decode_rows",
+                                               "prefill_tokens")
                 if m[k] is not None), flush=True)
     result["bars"] = bars({(j["workload"], j["system"]): j for j in result["jobs"] if "error" not in j})
     result["wall_s"] = time.perf_counter() - start

@@ -396,7 +396,12 @@ def test_compression_in_place_when_no_packed_room_then_compaction_packs(gen):
     check_all(cache, kept)
 
 
-def test_compaction_gathers_scattered_free_room_into_whole_chunks():
+@pytest.mark.parametrize("merged", [True, False])
+def test_compaction_gathers_scattered_free_room_into_whole_chunks(merged, monkeypatch):
+    """Also with the arena's batches of moves merged into one copy (the default; compaction here moves some pages
+    twice, so the copy must take each from where it was to where it ends) against one copy per batch."""
+    if not merged:
+        monkeypatch.setattr(torch_zipkv.cache, "MOVE_BYTES", 1)
     cache = make(layers=2, chunks=24, chunk_pages=4)
     kept = {}
     sids = [cache.add_sequence() for _ in range(8)]
@@ -411,7 +416,15 @@ def test_compaction_gathers_scattered_free_room_into_whole_chunks():
             del kept[(sid, layer)]
     before = cache.stats()
     assert before["fragmentation"] > 0.4
+    copies, batches, store_move, compaction = [], [], cache._store.move, cache._arena.compaction
+    monkeypatch.setattr(cache._store, "move", lambda rows, *a: (copies.append(rows.copy()), store_move(rows, *a)))
+    monkeypatch.setattr(cache._arena, "compaction", lambda layer: (batches.append(b) or b for b in compaction(layer)))
     moved = cache.compact()
+    if merged:  # one copy, in which pages moved twice by the arena appear once
+        assert len(copies) == 1 and len(np.unique(copies[0])) == len(copies[0])
+        assert sum(len(b) for b in batches) > len(copies[0])
+    else:
+        assert len(copies) == sum(1 for b in batches if b) > 1
     after = cache.stats()
     assert moved > 0 and after["free_chunks"] > before["free_chunks"]
     used = sum(math.ceil(x["stored_bytes"] / cache.chunk_bytes) for x in after["layers"])

@@ -61,6 +61,8 @@ from .shared_prefix import SharedTables, attend_shared, own_table, shared_prefix
 from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
 from .upload import Uploader
 
+MOVE_BYTES = 64 << 20  # bytes one merged copy of the arena's moves carries at most (it holds them all at once)
+
 __all__ = ["CacheFullError", "Capacity", "CompressedPagedKVCache", "DecodeStep"]
 
 
@@ -556,17 +558,40 @@ class CompressedPagedKVCache:
         return self._move_pages(self._arena.compaction, range(self.num_layers))
 
     def _move_pages(self, moves: Callable[[int], Iterator[list]], layers: Iterable[int]) -> int:
-        """Carry out the arena's moves ``moves(layer)`` (batches of (page, old offset, new offset, nbytes), each
-        copied before the next is asked for) for each of ``layers``; returns the bytes moved."""
+        """Carry out the arena's moves ``moves(layer)`` (batches of (page, old offset, new offset, nbytes), each to be
+        copied before the next is asked for) for each of ``layers``; returns the bytes moved.
+
+        Batches are merged, across layers, into one copy of up to :data:`MOVE_BYTES`: a page moved twice goes from
+        where it was to where it ends, every source is read before any destination is written, and no two pages end
+        in the same place, so one copy leaves what copying batch after batch would. Draining slots after a
+        compression call moves a batch in most layers; one copy each cost ~20 small kernels a layer."""
         moved = 0
-        empty = np.empty(0, dtype=np.int64)
+        pending: dict[int, list[int]] = {}  # meta row -> [old offset, new offset, nbytes]
+        bytes_pending = 0
+
+        def flush() -> None:
+            nonlocal pending, bytes_pending
+            if pending:
+                rows = np.fromiter(pending, dtype=np.int64, count=len(pending))
+                old, new, size = np.array(list(pending.values()), dtype=np.int64).reshape(-1, 3).T
+                keep = old != new  # moved and back again: nothing to copy
+                empty = np.empty(0, dtype=np.int64)
+                self._store.move(rows[keep], new[keep], old[keep], size[keep], self.data, empty)
+            pending, bytes_pending = {}, 0
+
         for layer in layers:
+            first_row = int(self._store.rows(layer, 0))
             for group in moves(layer):
-                if not group:
-                    continue
-                pids, old, new, size = (np.array(x, dtype=np.int64) for x in zip(*group))
-                self._store.move(self._store.rows(layer, pids), new, old, size, self.data, empty)
-                moved += int(size.sum())
+                for page, old, new, size in group:
+                    if (at := pending.get(first_row + page)) is not None:
+                        at[1] = new
+                    else:
+                        pending[first_row + page] = [old, new, size]
+                    bytes_pending += size
+                    moved += size
+                if bytes_pending >= MOVE_BYTES:
+                    flush()
+        flush()
         self._store.zero(self._arena.take_dirty())  # after all copies: a freed slot may have been a source
         return moved
 
