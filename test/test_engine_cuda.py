@@ -116,6 +116,39 @@ def test_shared_prefix_decode_in_cuda_graphs_matches_generate(monkeypatch):
             ref.check(o[-1].prompt_token_ids, o[-1].token_ids, ulps=4)
 
 
+def test_decode_steps_never_wait_for_the_device():
+    """Decode-only steps in which requests finish (their pages freed, slots zeroed) and every step runs a compression
+    call make no synchronizing CUDA call (torch's sync debug mode raises on one): the host queues step after step
+    while the device runs. A constant written as ``t[index] = 0`` waited for the device in every step that freed a
+    page. A first load of the same shape captures every batch bucket's graph, so the checked load captures none."""
+    import torch
+
+    model = small_model("llama").cuda()
+    eng = Engine(model, max_kv_bytes=64 << 20, kv_chunk_bytes=256 << 10, prefill_chunk=1024, compress_every=1)
+    placed, compress = [], eng.kv.compress_full_pages
+    eng.kv.compress_full_pages = lambda wait=True: placed.append(compress(wait=wait)) or placed[-1]
+
+    def load(seed: int) -> None:  # 12 requests, all admitted and prefilled in one step, finishing one by one
+        rng = random.Random(seed)
+        for i in range(12):
+            eng.add_request([rng.randrange(512) for _ in range(20 + 3 * i)], SamplingParams(max_new_tokens=20 + 3 * i))
+
+    load(3)
+    while eng.has_unfinished():
+        eng.step()
+    load(4)
+    finished = sum(o.finished for _ in range(2) for o in eng.step())
+    assert len(eng.scheduler.running) == 12 and all(r.state == "decode" for r in eng.scheduler.running)
+    placed.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished():
+            finished += sum(o.finished for o in eng.step())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finished == 12 and len(placed) > 40 and sum(placed) > 0  # requests ended, pages compressed meanwhile
+
+
 def test_smollm2_on_cuda_matches_generate():
     """SmolLM2 (real weights) on the GPU: the engine's greedy tokens are transformers' own, up to bf16 ties."""
     model, tok = require_smollm2().load_smollm2()

@@ -92,16 +92,19 @@ class PageStore:
         self._starts[rows_t] += shift_t[:, None, None]
         self.zero_slots(zero_t)
 
+    # Constants are written with index_fill_, never ``t[index] = constant``: on CUDA that indexed assignment copies
+    # the constant to the device from pageable memory, and that copy waits for the stream to drain. A decode step
+    # that freed a page then stalled the host until the device had run out of work.
     def forget_rows(self, rows: np.ndarray, zero: np.ndarray) -> None:
         """Mark meta ``rows`` as pages that are gone (a read of them fails loudly), then zero slots ``zero``."""
-        rows_t, zero_t = self.upload(rows, zero)
-        self.meta_rows[rows_t] = fmt.NO_STREAM
+        rows_t, zero_t = self.upload(rows.astype(np.int64, copy=False), zero)
+        self.meta_rows.index_fill_(0, rows_t, fmt.NO_STREAM)
         self.zero_slots(zero_t)
 
     def forget_ids(self, ids: np.ndarray, zero: np.ndarray) -> None:
         """:meth:`forget_rows` for page ``ids`` in every layer."""
-        ids_t, zero_t = self.upload(ids, zero)
-        self.meta[:, ids_t] = fmt.NO_STREAM
+        ids_t, zero_t = self.upload(ids.astype(np.int64, copy=False), zero)
+        self.meta.index_fill_(1, ids_t, fmt.NO_STREAM)
         self.zero_slots(zero_t)
 
     def zero(self, slots: np.ndarray) -> None:
@@ -110,6 +113,6 @@ class PageStore:
             self.zero_slots(*self.upload(slots))
 
     def zero_slots(self, slots: torch.Tensor) -> None:
-        """Zero ``slots`` (slot numbers on the device)."""
+        """Zero ``slots`` (int64 slot numbers on the device)."""
         if slots.numel():
-            self._slots[slots] = 0
+            self._slots.index_fill_(0, slots, 0)

@@ -74,10 +74,11 @@ class ModelRunner:
             self._grow_tables(2 * self._rows)
         slot = self._free_rows.pop()
         p = req.params
-        self._temp[slot] = 0.0 if p.greedy else p.temperature
-        self._top_k[slot] = min(p.top_k, self.vocab_size)  # more than the vocabulary keeps all: the same as all
-        self._top_p[slot] = p.top_p
-        self._seed[slot] = req.seed
+        # fill_ on a row: ``t[slot] = value`` would copy the value from pageable memory, waiting for the device.
+        self._temp[slot].fill_(0.0 if p.greedy else p.temperature)
+        self._top_k[slot].fill_(min(p.top_k, self.vocab_size))  # more than the vocabulary keeps all: the same as all
+        self._top_p[slot].fill_(p.top_p)
+        self._seed[slot].fill_(req.seed)
         req.slot = slot
 
     def free_row(self, req: Request) -> None:
