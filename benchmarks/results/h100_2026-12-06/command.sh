@@ -51,6 +51,23 @@
 #                     (call 20), and test_compile.py not collected (the box lacks expecttest)
 #   call 20 (44c4eab, no patch): pytest test/test_engine_prefix.py -k shared_prefix_once -> the same 2 failures with
 #                     the same tokens: not the patch (test_shared_prefix_once_44c4eab.log; docs/performance.md)
+#   later again (three calls for nvidia-h200 or nvidia-h100-x1 found no machine), kind nvidia-h100-x1, an H100 80GB
+#   HBM3; one machine, warm from call 21 to call 24, another for call 25:
+#   call 21 (ae522d9): COMMIT=ae522d9 bash run24.sh -> bench_prefix_merged_moves.json (16/s, both systems),
+#                     bench_prefix_compress_every1.json (zipkv+cache, a compression call every step); the rate-inf
+#                     part ran but its files did not come back (too many files under $OUT; call 23 repeats it)
+#   call 22 (ae522d9 + straight.patch = `git diff 6bd0540 78578b4`): COMMIT=ae522d9 bash run25.sh ->
+#                     bench_prefill_straight_line.json; prefill + engine tests passed (test_gpu_straight_line.log)
+#   call 23 (ae522d9): bench_prefix.py --workloads shared --systems zipkv+cache raw+cache --rate inf ->
+#                     bench_prefix_rate_inf_merged_moves.json
+#   call 24 (ae522d9): the same with ZIPKV_TORCH_PROFILE=$OUT ZIPKV_TORCH_PROFILE_STEPS=300:324 ->
+#                     bench_prefix_rate_inf_profiled.json (tokens/s lowered by the profiler),
+#                     torch_profile_rate_inf_zipkv_cache.txt (59 cudaStreamSynchronize in 24 steps under
+#                     aten::_index_put_impl_), torch_profile_rate_inf_raw_cache.txt (none: no request ended there)
+#   call 25 (4c92c1e): COMMIT=4c92c1e bash run27.sh -> test_engine_cuda_sync_free.log (7 passed, 1 skipped: the
+#                     sync-free decode test among them), bench_prefix_rate_inf_zipkv_4c92c1e.json (zipkv+cache only:
+#                     raw+cache was cut by --time-limit), ../bench_prefix_h100.json/.md (16/s, both systems; the .png
+#                     drawn here from the JSON by bench_prefix.plot); the device budget ran out during the call
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
 # CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
@@ -299,4 +316,62 @@ timeout 180 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_c
   | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -6
 echo "tests rc=${PIPESTATUS[0]} at $SECONDS s"
 timeout 240 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -8
+echo "all $SECONDS s"
+# ---- .box/run24.sh
+# ae522d9 (merged moves after a compression call; cc5b300's admission): bench_prefix's shared load, zipkv+cache against
+# raw+cache, every request at once (--rate inf), then at the default 16/s, then zipkv+cache at 16/s with a
+# compression call every step (--compress-every 1).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/prefix" "$OUT/prefix_inf" "$OUT/every1"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix_inf" --workloads shared --systems zipkv+cache raw+cache --rate inf \
+  --time-limit 280 2>&1 | tee "$OUT/prefix_inf/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | grep -v "^|\|^#\|^\`" | tail -14
+echo "rate inf at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/prefix" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit 160 2>&1 | tee "$OUT/prefix/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | grep -v "^|\|^#\|^\`" | tail -14
+echo "16/s at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/every1" --workloads shared --systems zipkv+cache --compress-every 1 \
+  --time-limit $((590 - SECONDS)) 2>&1 | tee "$OUT/every1/bench_prefix.log" | grep -v "^\s*$\|Warning\|warn" | grep -v "^|\|^#\|^\`" | tail -7
+echo "all $SECONDS s"
+# ---- .box/run25.sh
+# The straight-line copy and rebuild (78578b4) applied as .box/straight.patch: CUDA prefill + engine tests;
+# bench_prefill --quick with FlashInfer (its first build, of main, serves nothing: --compress-every 1 moved to run24).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests" "$OUT/every1"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+export ZIPKV_COMMIT=$COMMIT+straight
+git apply .box/straight.patch 2>/dev/null || patch -p1 < .box/straight.patch || exit 1
+grep -c "rebuild_blocks" csrc/cuda/paged_prefill.cuh
+bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+echo "built at $SECONDS s"
+timeout 150 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests/gpu.log" | grep -v "Warn\|warn" | tail -6
+echo "tests rc=${PIPESTATUS[0]} at $SECONDS s"
+timeout $((585 - SECONDS)) python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -8
+echo "all $SECONDS s"
+# ---- .box/run27.sh
+# 4c92c1e (constants by index_fill_: no stream sync when a step frees pages): the sync-free decode test and the engine's
+# CUDA tests; bench_prefix's shared load, zipkv+cache against raw+cache, all at once, then at 16/s.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/inf" "$OUT/r16"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 100 python3 -m pytest test/test_engine_cuda.py -q -p no:cacheprovider -n 6 -rfE 2>&1 | tee "$OUT/test_engine_cuda.log" | grep -v "Warn\|warn" | tail -4
+echo "tests at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/inf" --workloads shared --systems zipkv+cache raw+cache --rate inf \
+  --time-limit 150 2>&1 | grep "shared /"
+rm -f "$OUT"/*/*.png "$OUT"/*/*.md
+echo "rate inf at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/r16" --workloads shared --systems zipkv+cache raw+cache \
+  --time-limit $((400 - SECONDS)) 2>&1 | grep "shared /"
+rm -f "$OUT"/*/*.png "$OUT"/*/*.md
 echo "all $SECONDS s"
