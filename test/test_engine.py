@@ -463,3 +463,37 @@ def test_smollm2_greedy_matches_generate():
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == 8
         ref.check(prompt, out.token_ids)
+
+
+def test_no_constant_is_written_to_a_tensor_by_indexing(llama, monkeypatch):
+    """The cache and the engine never write a Python number into a tensor by indexing (``t[index] = 0``): on CUDA
+    that copies the number from pageable memory and waits for the stream to drain, so a step would stall the host
+    (``index_fill_`` and ``fill_`` take it as an argument). Checked on CPU over a load that admits, prefills, shares
+    a prefix, compresses, samples and ends requests; the GPU test runs the same under torch's sync debug mode."""
+    import pathlib
+    import sys
+
+    import torch_zipkv
+
+    package = str(pathlib.Path(torch_zipkv.__file__).parent)
+    writes, setitem = [], torch.Tensor.__setitem__
+
+    def checked(self, index, value):
+        if isinstance(value, (int, float, bool)) and sys._getframe(1).f_code.co_filename.startswith(package):
+            frame = sys._getframe(1)
+            writes.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        return setitem(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", checked)
+    model, _ = llama
+    eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=16, compress_every=2)
+    rng = random.Random(11)
+    prefix = prompts_of(rng, [40])[0]
+    prompts = [prefix + p for p in prompts_of(rng, [5, 17, 30, 9])] + prompts_of(rng, [25, 12])
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8 if n % 2 else 0.0, top_k=5) for n in (3, 9, 14, 6, 20,
+                                                                                                     11)]
+    freed, forget_ids = [], eng.kv._store.forget_ids
+    monkeypatch.setattr(eng.kv._store, "forget_ids", lambda ids, zero: (freed.append(len(ids)), forget_ids(ids, zero)))
+    finished = [o for o in eng.stream(prompts, params) if o.finished]
+    assert len(finished) == len(prompts) and eng.stats()["prefix_hits"] > 0 and sum(freed) > 0
+    assert writes == []
