@@ -74,7 +74,8 @@ class ModelRunner:
             self._grow_tables(2 * self._rows)
         slot = self._free_rows.pop()
         p = req.params
-        # fill_ on a row: ``t[slot] = value`` would copy the value from pageable memory, waiting for the device.
+        # fill_ takes the number as an argument; ``t[slot] = value`` copies it from host memory first (with an index
+        # tensor that copy waits for the device: page_store.py).
         self._temp[slot].fill_(0.0 if p.greedy else p.temperature)
         self._top_k[slot].fill_(min(p.top_k, self.vocab_size))  # more than the vocabulary keeps all: the same as all
         self._top_p[slot].fill_(p.top_p)
