@@ -34,17 +34,21 @@ allocations), not counted: the figures are the main load's alone (hit counts are
 totals). Each job also records a per-step trace of its load (``step_trace``: see ``StepTrace``), and with
 ``ZIPKV_PROFILE_JOB=DIR`` a cProfile of the load's host time into DIR, and with ``ZIPKV_TORCH_PROFILE=DIR`` a
 ``torch.profiler`` table of steps ``ZIPKV_TORCH_PROFILE_STEPS`` (``first:last``, default ``100:140``) of the load into
-DIR: operators and kernels by device time, and the device's busy time against the steps' wall time. Writes
+DIR: operators and kernels by device time, and the device's busy time against the steps' wall time; with
+``ZIPKV_PROFILE_COMPRESS=DIR`` a cProfile of the load's compression calls alone (their host time). Writes
 bench_prefix.json, bench_prefix.md and bench_prefix.png (if matplotlib is there) into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import os
 import pathlib
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -103,6 +107,7 @@ class StepTrace:
         engine.step = self._traced_step
         self._compress = engine.kv.compress_full_pages
         engine.kv.compress_full_pages = self._traced_compress
+        self.compress_profile = cProfile.Profile() if os.environ.get("ZIPKV_PROFILE_COMPRESS") else None
         self._cur = None
         self._cuda = engine.device.type == "cuda"
 
@@ -117,7 +122,11 @@ class StepTrace:
     def _traced_compress(self, *args, **kwargs):
         self._cur["compress_round"] = True
         t = time.perf_counter()
+        if self.compress_profile is not None:
+            self.compress_profile.enable()
         out = self._compress(*args, **kwargs)
+        if self.compress_profile is not None:
+            self.compress_profile.disable()
         self._cur["compress_ms"] = (time.perf_counter() - t) * 1e3  # host time: the device may wait for it
         return out
 
@@ -228,10 +237,6 @@ def run_job(spec: dict, report: dict) -> None:
     trace = StepTrace(engine, f"{spec['workload']}_{spec['system'].replace('+', '_')}")
     profile_to = os.environ.get("ZIPKV_PROFILE_JOB")  # a folder: the load's host profile (cProfile), per job
     if profile_to:
-        import cProfile
-        import io
-        import pstats
-
         prof = cProfile.Profile()
         prof.enable()
     summary = serve(engine, load, total=total, progress=False, follow_up=follow_up)
@@ -243,6 +248,14 @@ def run_job(spec: dict, report: dict) -> None:
         stats.sort_stats("tottime").print_stats(30)
         name = f"profile_{spec['workload']}_{spec['system'].replace('+', '_')}.txt"
         pathlib.Path(profile_to, name).write_text(text.getvalue())
+    if trace.compress_profile is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(trace.compress_profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        name = f"profile_compress_{spec['workload']}_{spec['system'].replace('+', '_')}.txt"
+        pathlib.Path(os.environ["ZIPKV_PROFILE_COMPRESS"]).mkdir(parents=True, exist_ok=True)
+        pathlib.Path(os.environ["ZIPKV_PROFILE_COMPRESS"], name).write_text(text.getvalue())
     after = engine.stats()
     report["step_trace"] = trace.summary()
     found, prefilled = (after[k] - before[k] for k in ("prefix_cached_tokens", "prefilled_tokens"))
