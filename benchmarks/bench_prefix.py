@@ -214,6 +214,16 @@ class StepTrace:
         return {"columns": cols, "means": means}
 
 
+def write_cprofile(prof: cProfile.Profile, path: pathlib.Path) -> None:
+    """A cProfile's heaviest calls, by cumulative time and by own time, as text at ``path``."""
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+
+
 def run_job(spec: dict, report: dict) -> None:
     from torch_zipkv.engine import Engine
     from torch_zipkv.serve import serve
@@ -234,7 +244,8 @@ def run_job(spec: dict, report: dict) -> None:
     compiles = _dynamo_graphs()
     load, follow_up, total = load_of(spec, spec["sizes"]["requests" if spec["workload"] == "shared" else
                                                     "conversations"], seed=0)
-    trace = StepTrace(engine, f"{spec['workload']}_{spec['system'].replace('+', '_')}")
+    job_name = f"{spec['workload']}_{spec['system'].replace('+', '_')}"
+    trace = StepTrace(engine, job_name)
     profile_to = os.environ.get("ZIPKV_PROFILE_JOB")  # a folder: the load's host profile (cProfile), per job
     if profile_to:
         prof = cProfile.Profile()
@@ -242,20 +253,10 @@ def run_job(spec: dict, report: dict) -> None:
     summary = serve(engine, load, total=total, progress=False, follow_up=follow_up)
     if profile_to:
         prof.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("cumulative").print_stats(45)
-        stats.sort_stats("tottime").print_stats(30)
-        name = f"profile_{spec['workload']}_{spec['system'].replace('+', '_')}.txt"
-        pathlib.Path(profile_to, name).write_text(text.getvalue())
+        write_cprofile(prof, pathlib.Path(profile_to, f"profile_{job_name}.txt"))
     if trace.compress_profile is not None:
-        text = io.StringIO()
-        stats = pstats.Stats(trace.compress_profile, stream=text)
-        stats.sort_stats("cumulative").print_stats(40)
-        stats.sort_stats("tottime").print_stats(25)
-        name = f"profile_compress_{spec['workload']}_{spec['system'].replace('+', '_')}.txt"
-        pathlib.Path(os.environ["ZIPKV_PROFILE_COMPRESS"]).mkdir(parents=True, exist_ok=True)
-        pathlib.Path(os.environ["ZIPKV_PROFILE_COMPRESS"], name).write_text(text.getvalue())
+        write_cprofile(trace.compress_profile,
+                       pathlib.Path(os.environ["ZIPKV_PROFILE_COMPRESS"], f"profile_compress_{job_name}.txt"))
     after = engine.stats()
     report["step_trace"] = trace.summary()
     found, prefilled = (after[k] - before[k] for k in ("prefix_cached_tokens", "prefilled_tokens"))
