@@ -561,6 +561,71 @@ def test_prepare_step_refuses_ragged_layers_and_a_full_cache_without_changes():
     assert snapshot(cache) == before
 
 
+def test_prepared_prefills_match_per_layer_appends_bit_for_bit(gen):
+    """prepare_prefill opens every layer's pages at once for several sequences' chunks; contents, layout, accounting
+    and attention are the per-layer append and prefill path's, bit for bit, over chunks that start and end inside
+    pages, cross several, or are empty, with compressions between calls."""
+    layers, lens = 3, [0, 5, 16, 31]
+    a, b = make(layers=layers, chunks=60), make(layers=layers, chunks=60)
+    sids = {c: [c.add_sequence(n, 120) for n in lens] for c in (a, b)}
+    kept = {(s, layer): tokens(0, 0, H, D) for s in sids[a] for layer in range(layers)}
+    rounds = [[3, 1, 16, 40], [29, 0, 17, 1], [16, 33, 2, 0], [1, 15, 47, 9]]
+    for r, q_lens in enumerate([lens] + rounds):
+        prepared = a.prepare_prefill(sids[a], q_lens)
+        assert prepared.qo_indptr.tolist() == np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+        assert prepared.page_ids.shape == prepared.slots.shape == (sum(q_lens),)
+        for layer in range(layers):
+            k, v = tokens(100 * r + layer, sum(q_lens), H, D, kind=r % 3)
+            a.step_append(layer, prepared, k, v)
+            at = 0
+            for i, m in enumerate(q_lens):
+                b.append(layer, sids[b][i], k[at: at + m], v[at: at + m])
+                old = kept[(sids[a][i], layer)]
+                kept[(sids[a][i], layer)] = (torch.cat([old[0], k[at: at + m]]), torch.cat([old[1], v[at: at + m]]))
+                at += m
+            q = torch.randn(sum(q_lens), 2 * H, D, generator=gen).bfloat16()
+            out = a.step_prefill(layer, prepared, q)
+            assert torch.equal(bits(out), bits(b.prefill(layer, q, sids[b], q_lens=q_lens)))
+        assert a.compress_full_pages() == b.compress_full_pages() > 0
+    assert torch.equal(a.data, b.data) and torch.equal(a._store.meta, b._store.meta)
+    assert a.stats() == b.stats()
+    check_all(a, kept)
+
+
+def test_prepare_prefill_refuses_bad_calls_and_a_full_cache_without_changes():
+    cache = make(layers=2, chunks=6, chunk_pages=2)  # 12 raw pages
+    s, t = cache.add_sequence(), cache.add_sequence()
+    cache.append(0, s, *tokens(0, 3, H, D))
+    with pytest.raises(RuntimeError, match="prepare_prefill needs every layer at the same length"):
+        cache.prepare_prefill([s, t], [1, 1])
+    cache.append(1, s, *tokens(1, 3, H, D))
+    for q_lens, match in (([1], r"q_lens must give the new tokens of each of the 2 seq_ids, got \[1\]"),
+                          (3, "q_lens must give the new tokens of each of the 2 seq_ids, got 3"),
+                          ([1, -1], "q_lens"), ([1, 2.5], "q_lens")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            cache.prepare_prefill([s, t], q_lens)
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match=r"prepare_prefill: a prefill of sequences \[0, 1\] needs 10 new raw "
+                                             "pages in every layer"):
+        cache.prepare_prefill([s, t], [4 * P, 6 * P])  # 4 + 6 new pages per layer, 6 raw pages a layer in all
+    assert snapshot(cache) == before
+    step = cache.prepare_prefill([s, t], [P, 2])
+    with pytest.raises(TypeError, match="step_decode: step must be a DecodeStep from prepare_step, got PrefillStep"):
+        cache.step_decode(0, step, torch.ones(2, H, D, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="step_prefill: step must be a PrefillStep from prepare_prefill, got "
+                                        "DecodeStep"):
+        cache.step_prefill(0, cache.prepare_step([s, t]), torch.ones(2, H, D, dtype=torch.bfloat16))
+    k = torch.full((P + 2, H, D), 5.0, dtype=torch.bfloat16)
+    cache.step_append(0, step, k, k)
+    cache.free_sequence(t)
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="step_append: the PrefillStep is stale: .* after prepare_prefill made it"):
+        cache.step_append(1, step, k, k)
+    with pytest.raises(RuntimeError, match="step_prefill: the PrefillStep is stale"):
+        cache.step_prefill(0, step, torch.ones(P + 2, 2 * H, D, dtype=torch.bfloat16))
+    assert snapshot(cache) == before
+
+
 def test_a_stale_step_is_refused_and_writes_nothing():
     """The issue's reproducer: a step planned for a, then a freed and b admitted, which takes a's page id. The old
     step must not write b's token 0, nor read b's pages: step_append and step_decode refuse it, and b holds exactly
@@ -581,7 +646,8 @@ def test_a_stale_step_is_refused_and_writes_nothing():
         cache.step_decode(0, old, torch.ones(1, H, D, dtype=torch.bfloat16))
     assert snapshot(cache) == before
     check_all(cache, {(b, 0): (k, k)})
-    with pytest.raises(TypeError, match="step must be a DecodeStep from prepare_step, got NoneType"):
+    with pytest.raises(TypeError, match="step_append: step must be a DecodeStep from prepare_step or a PrefillStep "
+                                        "from prepare_prefill, got NoneType"):
         cache.step_append(0, None, bad, bad)
 
 

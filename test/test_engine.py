@@ -107,11 +107,11 @@ def test_prefill_chunks_of_several_requests_run_in_one_forward(arch, monkeypatch
     prompts = prompts_of(random.Random(5), [40, 7, 25, 3])
     eng = Engine(model, max_kv_bytes=KV_BYTES, prefill_chunk=32)
     forwards = []
-    for_prefill = eng.runner.hf_cache.for_prefill
-    monkeypatch.setattr(eng.runner.hf_cache, "for_prefill", lambda chunks: (forwards.append(list(chunks)),
-                                                                             for_prefill(chunks))[1])
+    prepare = eng.kv.prepare_prefill
+    monkeypatch.setattr(eng.kv, "prepare_prefill", lambda seq_ids, q_lens: (forwards.append(list(q_lens)),
+                                                                             prepare(seq_ids, q_lens))[1])
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=6))
-    assert [[n for _, _, n in f] for f in forwards] == [[32], [8, 7, 17], [8, 3]]
+    assert forwards == [[32], [8, 7, 17], [8, 3]]
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == 6
         ref.check(prompt, out.token_ids)

@@ -58,12 +58,13 @@ from .page_pool import PagePool
 from .page_store import PageStore
 from .shared_prefix import TENSORS as SHARED_TENSORS
 from .shared_prefix import SharedTables, attend_shared, own_table, shared_prefix_tables
-from .token_layout import AppendLayout, Batch, DecodeStep, StepGeneration, TokenLayouts
+from .token_layout import AppendLayout, Batch, DecodeStep, PrefillStep, StepGeneration, TokenLayouts
 from .upload import Uploader
 
+_PREPARED_BY = {DecodeStep: "prepare_step", PrefillStep: "prepare_prefill"}
 MOVE_BYTES = 64 << 20  # bytes one merged copy of the arena's moves carries at most (it holds them all at once)
 
-__all__ = ["CacheFullError", "Capacity", "CompressedPagedKVCache", "DecodeStep"]
+__all__ = ["CacheFullError", "Capacity", "CompressedPagedKVCache", "DecodeStep", "PrefillStep"]
 
 
 @dataclass(frozen=True)
@@ -417,20 +418,53 @@ class CompressedPagedKVCache:
                                   shared_pages=shared["shared_pages"])
         return DecodeStep(page_ids, slots, indptr, indices, last, self._generation, shared)
 
-    def check_step(self, step, fn: str = "check_step") -> None:
-        """TypeError unless ``step`` is a DecodeStep; ValueError if another cache prepared it (its page ids and slots
-        name that cache's pages); RuntimeError if it is stale (its page ids may name another sequence's pages now,
-        or pages compressed since). :meth:`step_append` and :meth:`step_decode` call it before anything is written
-        or read; whoever copies a step into a CUDA Graph's buffers (:meth:`static_step`) calls it first."""
-        if not isinstance(step, DecodeStep):
-            raise TypeError(f"{fn}: step must be a DecodeStep from prepare_step, got {type(step).__name__}")
+    def prepare_prefill(self, seq_ids, q_lens) -> PrefillStep:
+        """Prepare one prefill call of ``q_lens[i]`` new tokens of each of ``seq_ids`` for every layer at once, as
+        :meth:`prepare_step` prepares a decode step: the new pages open in all layers together, and one device copy
+        sends where each token goes, ``qo_indptr`` and the page table after the append. Then, for each layer,
+        :meth:`step_append` (``k``, ``v`` [sum(q_lens), H, D], the sequences' tokens one after another) and
+        :meth:`step_prefill`: the per-layer calls do no host bookkeeping. The lengths count the new tokens from now
+        on. Needs every layer at the same length for these sequences (else RuntimeError); raises CacheFullError,
+        changing nothing, if the new pages do not fit. Stale as a decode step is."""
+        batch = self._layouts.batch(seq_ids)
+        if isinstance(q_lens, (str, bytes)) or not hasattr(q_lens, "__len__") or len(q_lens) != len(batch.seqs):
+            raise ValueError(f"q_lens must give the new tokens of each of the {len(batch.seqs)} seq_ids, got "
+                             f"{q_lens!r}")
+        for m in q_lens:
+            check_int("q_lens", m, 0)
+        counts = np.array([int(m) for m in q_lens], dtype=np.int64)
+        lens = self._pool.len[batch.rows]  # [B, layers]
+        start = lens[:, 0]
+        if (lens != start[:, None]).any():
+            raise RuntimeError("prepare_prefill needs every layer at the same length for these sequences; use "
+                               "append() per layer otherwise")
+        layout = self._layouts.prefill_layout(start, counts)
+        writes = self._open_pages(slice(None), batch, layout, prefill=True)
+        tables = self._layouts.prefill_tables(batch, start, counts)
+        page_ids, slots, qo_indptr, indptr, last, indices, *rest = self._upload(*tables, *writes)
+        self._store.write_open_rows(*rest)
+        self._pool.len[batch.rows] = layout.end[:, None]
+        if layout.filled:
+            self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
+        return PrefillStep(page_ids, slots, qo_indptr, indptr, indices, last, self._generation)
+
+    def check_step(self, step, fn: str = "check_step", kinds: tuple = (DecodeStep,)) -> None:
+        """TypeError unless ``step`` is one of ``kinds`` (a DecodeStep; :meth:`step_append` also takes a
+        PrefillStep); ValueError if another cache prepared it (its page ids and slots name that cache's pages);
+        RuntimeError if it is stale (its page ids may name another sequence's pages now, or pages compressed since).
+        :meth:`step_append`, :meth:`step_decode` and :meth:`step_prefill` call it before anything is written or read;
+        whoever copies a step into a CUDA Graph's buffers (:meth:`static_step`) calls it first."""
+        if not isinstance(step, kinds):
+            names = " or ".join(f"a {k.__name__} from {_PREPARED_BY[k]}" for k in kinds)
+            raise TypeError(f"{fn}: step must be {names}, got {type(step).__name__}")
+        kind = type(step).__name__
         if step.generation.owner is not self:
-            raise ValueError(f"{fn}: the DecodeStep was prepared by another cache; a step belongs to the cache whose "
-                             "prepare_step made it")
+            raise ValueError(f"{fn}: the {kind} was prepared by another cache; a step belongs to the cache whose "
+                             f"{_PREPARED_BY[type(step)]} made it")
         if step.stale:
-            raise RuntimeError(f"{fn}: the DecodeStep is stale: the cache admitted or freed a sequence, or compressed "
-                               "or compacted pages, after prepare_step made it (its pages may be another sequence's "
-                               "now); do those between steps and prepare the step after them")
+            raise RuntimeError(f"{fn}: the {kind} is stale: the cache admitted or freed a sequence, or compressed "
+                               f"or compacted pages, after {_PREPARED_BY[type(step)]} made it (its pages may be "
+                               "another sequence's now); do those between steps and prepare the step after them")
 
     def static_step(self, page_ids: torch.Tensor, slots: torch.Tensor, kv_indptr: torch.Tensor,
                     kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
@@ -446,11 +480,23 @@ class CompressedPagedKVCache:
                                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
         return DecodeStep(page_ids, slots, kv_indptr, kv_indices, kv_last_page_len, StepGeneration(self), shared)
 
-    def step_append(self, layer: int, step: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer's tokens of a step prepared by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D]).
-        Writes nothing if the step is stale or another cache's (:meth:`check_step`)."""
-        self.check_step(step, "step_append")
+    def step_append(self, layer: int, step: DecodeStep | PrefillStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer's tokens of a step prepared by :meth:`prepare_step` (``k``, ``v`` bf16 [B, H, D]) or
+        :meth:`prepare_prefill` ([n, H, D]). Writes nothing if the step is stale or another cache's
+        (:meth:`check_step`)."""
+        self.check_step(step, "step_append", (DecodeStep, PrefillStep))
         ops.append_kv(k, v, step.page_ids, step.slots, self.page_size, self.data, self.meta(layer))
+
+    def step_prefill(self, layer: int, step: PrefillStep, q: torch.Tensor, *, sm_scale: float | None = None,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                     logits_soft_cap: float = 0.0) -> torch.Tensor:
+        """Causal attention of one layer in a step prepared by :meth:`prepare_prefill` (``q`` bf16 [n, Hq, D], the
+        step's new tokens), after :meth:`step_append` of the layer, as :meth:`prefill` computes it. Refuses a stale
+        step or another cache's (:meth:`check_step`)."""
+        self.check_step(step, "step_prefill", (PrefillStep,))
+        return ops.paged_prefill(q, step.qo_indptr, self.data, self.meta(layer), step.kv_indptr, step.kv_indices,
+                                 step.kv_last_page_len, self.page_size, sm_scale=sm_scale, out=out, lse=lse,
+                                 window_left=self._window_left[layer], logits_soft_cap=logits_soft_cap)
 
     def step_decode(self, layer: int, step: DecodeStep, q: torch.Tensor, *, sm_scale: float | None = None,
                     out: torch.Tensor | None = None, logits_soft_cap: float = 0.0) -> torch.Tensor:
@@ -662,9 +708,10 @@ class CompressedPagedKVCache:
         return all_min(values, self.process_group, self.device)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
-    def _open_pages(self, layers: slice, batch: Batch, layout: AppendLayout) -> list[np.ndarray]:
+    def _open_pages(self, layers: slice, batch: Batch, layout: AppendLayout, prefill: bool = False) -> list[np.ndarray]:
         """Give the layout's new pages ids (first layer to reach them) and raw slots in each of ``layers`` (all of
-        them for a decode step, one for an append), or raise CacheFullError before changing anything. Returns the
+        them for a decode step or a prefill, one for an append), or raise CacheFullError before changing anything
+        (``prefill`` names the caller in its message). Returns the
         device writes that makes, for :meth:`PageStore.write_open_rows` after an upload: the pages' meta rows (int64
         [k]), their values (int32 [k, 2, H, W]) and the slots to zero (of slot chunks just taken from the pool);
         nothing if no page opens."""
@@ -684,19 +731,20 @@ class CompressedPagedKVCache:
         state = self._pool, self._arena, self.process_group
         if need_ids and ids_short:
             free = self._room()[1]
-            raise CacheFullError(f"{opened_for(layers, batch)} needs {ids_beyond} page ids beyond the sequences' "
-                                 f"budgets, but only {free} are free ({describe_ids(*state)})",
+            raise CacheFullError(f"{opened_for(layers, batch, prefill)} needs {ids_beyond} page ids beyond the "
+                                 f"sequences' budgets, but only {free} are free ({describe_ids(*state)})",
                                  requested=ids_beyond, free=free, unit="page ids")
         if not fits:
-            if layers == slice(None):  # a decode step: every layer takes them
+            if layers == slice(None):  # a decode step or a prefill: every layer takes them
                 free, where, unit = self._room()[0], " in every layer", "pages per layer"
             else:
                 free, where, unit = self._arena.spare_pages(layers.start), "", "pages"
                 if self.process_group is not None:
                     free = self._agree([free])[0]
-            raise CacheFullError(f"{opened_for(layers, batch)} needs {len(new)} new raw pages{where}, {beyond} of "
-                                 f"them beyond the sequences' budgets, but only {free} can be taken{where} without "
-                                 f"breaking promises ({describe_free(*state)})", requested=beyond, free=free, unit=unit)
+            raise CacheFullError(f"{opened_for(layers, batch, prefill)} needs {len(new)} new raw pages{where}, "
+                                 f"{beyond} of them beyond the sequences' budgets, but only {free} can be taken{where} "
+                                 f"without breaking promises ({describe_free(*state)})", requested=beyond, free=free,
+                                 unit=unit)
         self._pool.give_ids(need_ids)
         pids = np.array([s.pages[j] for s, j in new], dtype=np.int32)
         self._arena.reserved[layers] -= len(new) - beyond

@@ -29,10 +29,12 @@ def describe_free(pool, arena, process_group) -> str:
             f"{_on_this_rank(process_group)}")
 
 
-def opened_for(layers: slice, batch) -> str:
-    """What pages open for, named as the caller knows it: a decode step of all layers, or an append to one."""
+def opened_for(layers: slice, batch, prefill: bool = False) -> str:
+    """What pages open for, named as the caller knows it: a decode step or a prefill of all layers, or an append to
+    one."""
     if layers == slice(None):
-        return f"prepare_step: a decode step of sequences {list(batch.key)}"
+        return f"prepare_prefill: a prefill of sequences {list(batch.key)}" if prefill else \
+            f"prepare_step: a decode step of sequences {list(batch.key)}"
     return f"append to layer {layers.start}:"
 
 

@@ -59,6 +59,27 @@ class DecodeStep:
         return self.generation.stale
 
 
+@dataclass(frozen=True, eq=False)
+class PrefillStep:
+    """One prefill call prepared for every layer by :meth:`CompressedPagedKVCache.prepare_prefill`: several tokens of
+    each sequence, one sequence after another. Where each new token goes (``page_ids``, ``slots``: int32 [n]), the
+    query tokens of each sequence (``qo_indptr`` [B+1]) and the FlashInfer page table after the append
+    (``kv_indptr`` [B+1], ``kv_indices`` [nnz], ``kv_last_page_len`` [B]), all int32 on the cache's device; ``stale``
+    as a :class:`DecodeStep`'s."""
+
+    page_ids: torch.Tensor
+    slots: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    generation: StepGeneration = field(repr=False)
+
+    @property
+    def stale(self) -> bool:
+        return self.generation.stale
+
+
 @dataclass
 class Batch:
     """The sequences of one call, in its order: the cache's sequence records (``pages``: their page ids in token
@@ -76,7 +97,7 @@ class AppendLayout:
     step). The same in every layer that starts at the same lengths."""
 
     start: np.ndarray  # lengths before the append
-    n: int | None  # tokens appended to the batch's one sequence; None: one to each sequence
+    n: int | None  # tokens appended to the batch's one sequence; None: one to each sequence (or a prefill step's)
     end: np.ndarray  # lengths after the append
     new: list  # (batch index, page index) of pages whose first token this append writes
     filled: list  # (batch index, page index) of pages this append completes
@@ -169,6 +190,29 @@ class TokenLayouts:
             new = [(0, j) for j in range(-(-a // P), -(-b // P))]
             filled = [(0, j) for j in range(a // P, b // P)]
         return AppendLayout(start=start, n=n, end=end, new=new, filled=filled)
+
+    def prefill_layout(self, start: np.ndarray, counts: np.ndarray) -> AppendLayout:
+        """Appending ``counts[i]`` tokens to sequence i at length ``start[i]`` (a prefill step; its tokens are placed
+        by :meth:`prefill_tables`)."""
+        P, end = self.page_size, start + counts
+        spans = list(zip(range(len(start)), start.tolist(), end.tolist()))
+        new = [(i, j) for i, a, b in spans for j in range(-(-a // P), -(-b // P))]
+        filled = [(i, j) for i, a, b in spans for j in range(a // P, b // P)]
+        return AppendLayout(start=start, n=None, end=end, new=new, filled=filled)
+
+    def prefill_tables(self, batch: Batch, start: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+        """A prefill step of ``batch`` from lengths ``start``, ``counts`` tokens each, once its pages have ids: each
+        new token's page id and slot, ``qo_indptr``, and the page table after the step (``kv_indptr``,
+        ``kv_last_page_len``, ``kv_indices``), int32, in this order."""
+        P, end = self.page_size, start + counts
+        indptr, indices = self.table(batch, -(-end // P))
+        pos = np.concatenate([np.arange(a, b) for a, b in zip(start.tolist(), end.tolist())] + [np.empty(0, np.int64)])
+        first_page = np.repeat(indptr[:-1].astype(np.int64), counts)  # each token's sequence's first table entry
+        page_ids = indices[first_page + pos // P] if len(pos) else np.empty(0, dtype=np.int32)
+        qo_indptr = np.zeros(len(counts) + 1, dtype=np.int32)
+        counts.cumsum(out=qo_indptr[1:])
+        last = np.minimum(end, (end - 1) % P + 1).astype(np.int32)  # 0 for a sequence with no tokens
+        return [page_ids, (pos % P).astype(np.int32), qo_indptr, indptr, last, indices]
 
     def token_slots(self, batch: Batch, layout: AppendLayout) -> list[np.ndarray]:
         """Each token's page id and slot (int32 [n]), once every page of the layout has an id."""

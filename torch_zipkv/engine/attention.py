@@ -7,11 +7,13 @@ hands its work to the ``zipkv_cache`` the cache's ``update`` put in the attentio
 - ``decode``: one token per batch row, through the cache's own decode path (``step_append`` and ``step_decode``, as
   ``ZipKVCache`` does) on the ``DecodeStep`` the engine set: the one ``prepare_step`` made, or a CUDA Graph's static
   step (``CompressedPagedKVCache.static_step``, padded rows included);
-- ``prefill``: one chunk of each of several requests, their tokens one after another in one row of the batch; each
-  chunk's K/V are appended to its request's pages, then every chunk attends to its own request's tokens causally,
-  with the layer's sliding window and Gemma 2's logit soft cap, straight from the pages as they are stored (one
-  ``CompressedPagedKVCache.prefill`` call, the ``paged_prefill`` op): nothing is decompressed into scratch. Only
-  attention mixes tokens, and it keeps to each request's own; positions come from ``position_ids``.
+- ``prefill``: one chunk of each of several requests, their tokens one after another in one row of the batch, on
+  the ``PrefillStep`` the engine prepared for every layer (``prepare_prefill``). In each layer the chunks' K/V are
+  appended to their requests' pages (``step_append``), then every chunk attends to its own request's tokens
+  causally, with the layer's sliding window and Gemma 2's logit soft cap, straight from the pages as they are stored
+  (``step_prefill``, the ``paged_prefill`` op): nothing is decompressed into scratch, and a layer does no host
+  bookkeeping. Only attention mixes tokens, and it keeps to each request's own; positions come from
+  ``position_ids``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache
 
-from ..cache import CompressedPagedKVCache, DecodeStep
+from ..cache import CompressedPagedKVCache, DecodeStep, PrefillStep
 from ..integrations.transformers import _PagedLayer, hand_to_attention
 
 
@@ -39,15 +41,16 @@ class EngineCache(Cache):
         super().__init__(layers=[_EngineLayer() for _ in range(kv.num_layers)])
         self.kv = kv
         self.mode: str | None = None
-        self.step: DecodeStep | None = None
-        self.chunks: list[tuple[int, int, int]] = []  # the prefill's (seq_id, first position, tokens), in order
+        self.step: DecodeStep | PrefillStep | None = None
+        self.tokens = 0  # a prefill's new tokens, all chunks
 
     def for_decode(self, step: DecodeStep) -> None:
         self.mode, self.step = "decode", step
 
-    def for_prefill(self, chunks: list[tuple[int, int, int]]) -> None:
-        """The next call prefills ``chunks``: (seq_id, first position, tokens) each, their tokens in this order."""
-        self.mode, self.chunks = "prefill", list(chunks)
+    def for_prefill(self, step: PrefillStep, tokens: int) -> None:
+        """The next call prefills the ``tokens`` new tokens of ``step`` (from ``prepare_prefill``), its chunks'
+        tokens one after another."""
+        self.mode, self.step, self.tokens = "prefill", step, tokens
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -84,22 +87,13 @@ class EngineCache(Cache):
         return self._prefill_chunk(module, layer, query, key, value, scaling, sliding_window, softcap)
 
     def _prefill_chunk(self, module, layer, query, key, value, scaling, window, softcap):
-        kv = self.kv
-        total = sum(n for _, _, n in self.chunks)
-        if query.shape[0] != 1 or query.shape[2] != total:
-            raise ValueError(f"a prefill is one row of the chunks' {total} tokens, got query of shape "
+        if query.shape[0] != 1 or query.shape[2] != self.tokens:
+            raise ValueError(f"a prefill is one row of the chunks' {self.tokens} tokens, got query of shape "
                              f"{tuple(query.shape)}")
-        # Append each chunk, then attend to each request's pages in place (earlier chunks compressed or raw, these
+        # Append every chunk, then attend to each request's pages in place (earlier chunks compressed or raw, these
         # raw): paged_prefill applies the causal mask per request, the layer's window and the soft cap.
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [total, Hkv, D]
-        at = 0
-        for sid, start, n in self.chunks:
-            if kv.seq_len(layer, sid) != start:
-                raise RuntimeError(f"the prefill chunk starts at position {start}, but sequence {sid} holds "
-                                   f"{kv.seq_len(layer, sid)} tokens in layer {layer}")
-            kv.append(layer, sid, k[at: at + n], v[at: at + n])
-            at += n
-        q = query[0].transpose(0, 1).contiguous()  # [total, Hq, D]
-        out = kv.prefill(layer, q, [sid for sid, _, _ in self.chunks], q_lens=[n for _, _, n in self.chunks],
-                         sm_scale=scaling, logits_soft_cap=float(softcap or 0.0))
+        kv = self.kv
+        kv.step_append(layer, self.step, key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous())
+        out = kv.step_prefill(layer, self.step, query[0].transpose(0, 1).contiguous(), sm_scale=scaling,
+                              logits_soft_cap=float(softcap or 0.0))
         return out[None], None  # [1, total, Hq, D]

@@ -139,8 +139,13 @@ class ModelRunner:
                 ends.append(at - 1)
                 done.append(req)
         keep = np.asarray(ends or [at - 1], dtype=np.int64)  # the logits sampled from (one, unused, if none ends)
+        for req, start, _ in chunks:
+            if self.kv.seq_len(0, req.seq_id) != start:
+                raise RuntimeError(f"the prefill chunk starts at position {start}, but request {req.rid}'s sequence "
+                                   f"holds {self.kv.seq_len(0, req.seq_id)} tokens")
+        step = self.kv.prepare_prefill([req.seq_id for req, _, _ in chunks], [n for _, _, n in chunks])
         ids, pos, keep = self._upload(ids, pos, keep)
-        self.hf_cache.for_prefill([(req.seq_id, start, n) for req, start, n in chunks])
+        self.hf_cache.for_prefill(step, at)
         logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=True, logits_to_keep=keep,
                             **{self._cache_kw: self.hf_cache}).logits[0]
         if not done:
