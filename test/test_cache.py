@@ -374,9 +374,10 @@ def test_full_cache_error_is_recoverable_and_freed_room_serves_any_layer():
     check_all(cache, kept)
 
 
-def test_compression_in_place_when_no_packed_room_then_compaction_packs(gen):
-    """Promises hold every pool chunk: full pages are compressed inside their own slots (meta rows rewritten there);
-    once room frees up, compact() moves them into a packed chunk and the slots' chunk goes back to the pool."""
+def test_compression_takes_a_promised_chunk_that_the_slots_it_frees_pay_back(gen):
+    """Promises hold every pool chunk, but the 4 full pages of a full slot chunk compress into one packed chunk and
+    free their 4 slots, which keep the promises the chunk served: the compression takes it, the slot chunk goes back
+    to the pool, and the promised sequence still fills its whole budget."""
     cache = make(layers=1, chunks=3, chunk_pages=4)
     kept = {}
     a = cache.add_sequence(4 * P)
@@ -385,7 +386,25 @@ def test_compression_in_place_when_no_packed_room_then_compaction_packs(gen):
     assert cache.stats()["free_chunks"] == 2 and cache.capacity().pages == 0
     assert cache.compress_full_pages() == 4
     layer = cache.stats()["layers"][0]
-    assert layer["packed_chunks"] == 0 and layer["slot_chunks"] == 1 and layer["stored_bytes"] < 4 * PAGE_BYTES
+    assert layer["packed_chunks"] == 1 and layer["slot_chunks"] == 0 and cache.stats()["free_chunks"] == 2
+    assert cache.capacity().pages == 0
+    fill(cache, kept, 0, hog, 8 * P, 1)  # the promise holds: its 8 pages fit
+    check_all(cache, kept)
+
+
+def test_compression_in_place_when_no_packed_room_then_compaction_packs(gen):
+    """Promises hold every pool chunk and the 3 pages that compress free too few slots to pay a chunk back (4 a
+    chunk): they are compressed inside their own slots (meta rows rewritten there); once room frees up, compact()
+    moves them into a packed chunk and the slots' chunk goes back to the pool."""
+    cache = make(layers=1, chunks=3, chunk_pages=4)
+    kept = {}
+    a = cache.add_sequence(4 * P)
+    fill(cache, kept, 0, a, 3 * P, 0)  # 3 full pages in a slot chunk
+    hog = cache.add_sequence(8 * P)  # promises the other two chunks
+    assert cache.stats()["free_chunks"] == 2 and cache.capacity().pages == 0
+    assert cache.compress_full_pages() == 3
+    layer = cache.stats()["layers"][0]
+    assert layer["packed_chunks"] == 0 and layer["slot_chunks"] == 1 and layer["stored_bytes"] < 3 * PAGE_BYTES
     check_all(cache, kept)
     q = torch.randn(1, H, D, generator=gen).bfloat16()
     assert rel_err(cache.decode(0, q, [a]), decode_reference(q, [kept[(a, 0)]], P)) < 1e-2
@@ -844,9 +863,10 @@ def arena_state(cache) -> tuple:
 def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
     """compress_full_pages() compresses the full pages of every layer with one decompress/compress call on the
     all-layer meta rows and places them together where it can; rounds of one page (one layer at a time) and rounds
-    that split a layer give the same stored bytes and tables: with pages compressed in place (no packed room), packed
-    into destination chunks, and destination chunks filling up mid-round. (Bytes nothing reads may differ: a slot
-    freed in an earlier round is zeroed then, one whose chunk goes back to the pool in the same round is not.)"""
+    that split a layer give the same stored bytes and tables: with pages packed into destination chunks, and
+    destination chunks filling up mid-round. (Bytes nothing reads may differ: a slot freed in an earlier round is
+    zeroed then, one whose chunk goes back to the pool in the same round is not. Where every pool chunk is promised,
+    a round may pack pages that smaller rounds compress in place: the two tests above.)"""
     rounds = [None, 3 * PAGE_BYTES, PAGE_BYTES]  # everything at once, 3 pages, 1 page per round
     caches = [make(layers=3, chunks=24, chunk_pages=4) for _ in rounds]
     lens = [37, 50, 21]
@@ -875,11 +895,8 @@ def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
             assert arena_state(c) == arena_state(caches[0]) and c.stats() == caches[0].stats()
         return layers_waiting
 
-    hog = [c.add_sequence(c.capacity().pages * P) for c in caches][0]  # promises every free chunk: no packed room
     assert compress() == 3
-    assert all(x["packed_chunks"] == 0 and x["stored_bytes"] < x["raw_bytes"] for x in caches[0].stats()["layers"])
-    for c in caches:
-        c.free_sequence(hog)
+    assert all(x["packed_chunks"] >= 1 and x["stored_bytes"] < x["raw_bytes"] for x in caches[0].stats()["layers"])
     for step in range(40):
         for c in caches:
             st = c.prepare_step(sids)

@@ -270,15 +270,21 @@ class Arena:
         return slots
 
     # ---- packed runs ----------------------------------------------------------------------------------------
-    def _alloc_packed(self, layer: int, size: int, take: bool = True) -> int | None:
+    def _alloc_packed(self, layer: int, size: int, take: bool = True, frees: int = 0) -> int | None:
         """Room for ``size`` bytes in a packed chunk of ``layer``: the destination's tail, another packed chunk's
-        tail, or (if ``take``) a chunk from the pool if every promise still holds without it. None if none."""
+        tail, or (if ``take``) a chunk from the pool if every promise still holds without it once ``frees`` more
+        slots of ``layer`` are free (the slots of the pages the caller is about to put in that chunk). None if
+        none."""
         d = int(self.dest[layer])
         if d < 0 or self.used[d] + size > self.chunk_bytes:
             tails = [c for c in self.packed_chunks[layer] if self.used[c] + size <= self.chunk_bytes]
+            free = self.free_slot_count
+            if frees:
+                free = free.copy()
+                free[layer] += frees
             if tails:
                 d = max(tails, key=lambda c: self.chunk_bytes - self.used[c])
-            elif take and self.pool and self.pool_need() <= len(self.pool) - 1:
+            elif take and self.pool and self.pool_need(free_slots=free) <= len(self.pool) - 1:
                 d = self._take_chunk(layer, PACKED)
             else:
                 return None
@@ -339,7 +345,13 @@ class Arena:
                     self.release(layers[i: i + k], pages[i: i + k])
                     i += k
                     continue
-            off = self._alloc_packed(layer, int(sizes[i]))
+            # A chunk from the pool is paid back by the slots of the pages it will take (the leading ones of this
+            # call that fit a chunk), if they are in slots (pages just compressed): counting them keeps a cache whose
+            # pool is all promised (a serving load admits until it is) from compressing every page in place, where
+            # it saves nothing. So a call that places more pages at once may pack what smaller ones keep in place.
+            fit = int(np.searchsorted(np.cumsum(sizes[i: run_end[i]]), self.chunk_bytes, side="right"))
+            mine = self.offset[layer, pages[i: i + fit]] // self.chunk_bytes
+            off = self._alloc_packed(layer, int(sizes[i]), frees=int((self.kind[mine] == SLOTS).sum()))
             if off is None:
                 off = int(self.offset[layer, pages[i]])  # in place: the slot stays taken, the page is just smaller
             else:
@@ -370,6 +382,39 @@ class Arena:
         yield from self._pack_in_place(layer)
         yield from self.drain_slots(layer)
         yield from self._close_packed(layer)
+
+    def reclaim(self, layer: int, max_bytes: int, sparse: float) -> Iterator[list[tuple[int, int, int, int]]]:
+        """A bounded compaction of ``layer``, for a cache whose pages come and go: pages compressed in place move to
+        packed room where that frees slot chunks (as in :meth:`compaction`), slot chunks drain to one spare, and the
+        packed chunks with at most ``sparse`` of their bytes live, sparsest first (never the destination), move
+        their pages into packed room elsewhere (the destination's tail, another tail, or a chunk from the pool
+        while every promise holds, as compressed pages are placed) and go back to the pool, moving at most
+        ``max_bytes`` of them. Freed pages leave holes in packed chunks that nothing else reclaims: in a serving load
+        without this, a fifth of the packed bytes were holes that new requests could not use. A chunk some of whose
+        pages find no room keeps them and is not tried again. Batches as :meth:`compaction`'s."""
+        page_bytes, C = self.page_bytes, self.chunk_bytes
+        sizes, offsets = self.nbytes[layer], self.offset[layer]
+        live = offsets >= 0
+        if ((sizes < page_bytes) & live & (self.kind[np.where(live, offsets // C, 0)] == SLOTS)).any():
+            yield from self._pack_in_place(layer)
+        yield from self.drain_slots(layer, slack=1)
+        moved, tried = 0, set()
+        while True:
+            src = min((c for c in self.packed_chunks[layer] if c != self.dest[layer] and c not in tried
+                       and self.live[c] <= sparse * C), key=lambda c: (int(self.live[c]), c), default=None)
+            if src is None or moved + int(self.live[src]) > max_bytes:
+                return
+            tried.add(src)
+            pages = self._pages_in(layer, src)
+            old, sizes = self.offset[layer, pages], self.nbytes[layer, pages]
+            used, self.used[src] = self.used[src], C  # its own tail is never its pages' room
+            new = self._repack_each(np.full(len(pages), layer), pages, sizes)
+            self.offset[layer, pages], self.nbytes[layer, pages] = new, sizes
+            if self.kind[src] == PACKED and self.owner[src] == layer:  # some pages stayed
+                self.used[src] = used
+            go = new != old
+            moved += int(sizes[go].sum())
+            yield list(zip(pages[go].tolist(), old[go].tolist(), new[go].tolist(), sizes[go].tolist()))
 
     def _pack_in_place(self, layer: int) -> Iterator[list[tuple[int, int, int, int]]]:
         """Pages compressed in place (smaller than a slot) into packed room. Chunks come from the pool only when the

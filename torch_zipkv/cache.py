@@ -596,12 +596,26 @@ class CompressedPagedKVCache:
             layers, pids = (np.concatenate(x) for x in zip(*((np.full(len(p), layer), p) for layer, p in freed)))
             self._store.forget_rows(self._store.rows(layers, pids), self._arena.take_dirty())
 
-    def compact(self) -> int:
+    def compact(self, max_bytes: int | None = None, *, sparse: float = 0.5) -> int:
         """Gather scattered free room into whole chunks that return to the shared pool: compressed pages kept in
         slots move to packed room, sparse slot chunks drain into others, packed chunks close their holes and the
-        sparsest empty into the others' tails. Returns the bytes moved. Between steps; no device sync."""
+        sparsest empty into the others' tails. Returns the bytes moved. Between steps; no device sync.
+
+        ``max_bytes``: a bounded compaction for a serving loop: pages compressed in place pack where that frees
+        slot chunks, slot chunks drain, and each layer's packed chunks with at most ``sparse`` (0 to 1) of their
+        bytes live, sparsest first, empty into packed room elsewhere and go back to the pool, moving at most
+        ``max_bytes`` (split evenly over the layers) of those. Freed pages leave holes in packed chunks that nothing
+        else reclaims, so a cache whose sequences come and go needs this to keep what compression saved."""
+        if max_bytes is not None:
+            check_int("max_bytes", max_bytes, 0)
+            if not isinstance(sparse, (int, float)) or not 0 <= sparse <= 1:
+                raise ValueError(f"sparse must be a number from 0 to 1, got {sparse!r}")
         self._end_steps()
-        return self._move_pages(self._arena.compaction, range(self.num_layers))
+        if max_bytes is None:
+            return self._move_pages(self._arena.compaction, range(self.num_layers))
+        per_layer = int(max_bytes) // self.num_layers
+        return self._move_pages(lambda layer: self._arena.reclaim(layer, per_layer, float(sparse)),
+                                range(self.num_layers))
 
     def _move_pages(self, moves: Callable[[int], Iterator[list]], layers: Iterable[int]) -> int:
         """Carry out the arena's moves ``moves(layer)`` (batches of (page, old offset, new offset, nbytes), each to be
