@@ -453,6 +453,49 @@ def test_compaction_gathers_scattered_free_room_into_whole_chunks(merged, monkey
     assert cache.compact() == 0  # nothing left to gain
 
 
+def test_a_bounded_compaction_empties_sparse_packed_chunks_within_its_bytes(monkeypatch):
+    """compact(max_bytes, sparse): only packed chunks at most ``sparse`` live move, sparsest first, never more than
+    max_bytes (split over the layers) in all; each one emptied goes back to the pool; contents stay intact. Freeing
+    every other sequence leaves each packed chunk about half live."""
+    cache = make(layers=2, chunks=40, chunk_pages=4)
+    kept = {}
+    sids = [cache.add_sequence() for _ in range(8)]
+    for rnd in range(4):  # interleave sequences so each chunk holds pages of several
+        for layer in range(2):
+            for i, sid in enumerate(sids):
+                fill(cache, kept, layer, sid, 2 * P, 100 * rnd + 10 * layer + i)
+        cache.compress_full_pages()
+    for sid in sids[::2]:
+        cache.free_sequence(sid)
+        for layer in range(2):
+            del kept[(sid, layer)]
+    arena = cache._arena
+    C = arena.chunk_bytes
+
+    def packed_live():
+        return sorted(int(arena.live[c]) for layer in range(2) for c in arena.packed_chunks[layer])
+
+    before, stats = packed_live(), cache.stats()
+    with pytest.raises(ValueError, match="sparse must be a number from 0 to 1"):
+        cache.compact(C, sparse=1.5)
+    with pytest.raises(ValueError, match="max_bytes"):
+        cache.compact(-1)
+    assert cache.compact(4 * C, sparse=0.0) == 0  # no chunk is empty
+    assert packed_live() == before
+    moves = []
+    store_move = cache._store.move
+    monkeypatch.setattr(cache._store, "move", lambda rows, new, old, size, *a: (moves.append(int(size.sum())),
+                                                                                 store_move(rows, new, old, size, *a)))
+    moved = cache.compact(2 * C, sparse=0.6)  # C a layer
+    assert 0 < moved <= 2 * C and sum(moves) == moved
+    after = cache.stats()
+    assert after["free_chunks"] > stats["free_chunks"] and after["fragmentation"] < stats["fragmentation"]
+    check_all(cache, kept)
+    moved = cache.compact(64 * C, sparse=0.6)
+    assert all(live > 0.6 * C for live in packed_live()[2:])  # all but (at most) the destinations are denser now
+    check_all(cache, kept)
+
+
 def run_scheduler(cache, gen, compress: bool, steps: int = 60) -> int:
     """A continuous-batching loop whose admission trusts capacity(): admit while a request fits, prefill it, decode
     the batch one token per step, free finished requests. Returns the most requests that ran at once. Any

@@ -46,14 +46,14 @@ def _load_ops() -> None:
 _load_ops()
 from . import ops  # noqa: E402
 from .ops import empty_storage  # noqa: E402
-from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep  # noqa: E402
+from .cache import CacheFullError, Capacity, CompressedPagedKVCache, DecodeStep, PrefillStep  # noqa: E402
 from .compressed_kv import (CompressedKV, compress, decode_plan, decompress, paged_decode, paged_prefill,  # noqa: E402
                             prefill_plan)
 from .format import FORMAT_VERSION  # noqa: E402
 
 __all__ = ["CompressedKV", "compress", "decompress", "paged_decode", "paged_prefill", "decode_plan", "prefill_plan",
            "empty_storage", "ops", "FORMAT_VERSION", "CompressedPagedKVCache", "CacheFullError", "Capacity",
-           "DecodeStep", "ZipKVCache", "enable", "generate"]
+           "DecodeStep", "PrefillStep", "ZipKVCache", "enable", "generate"]
 
 _TRANSFORMERS_NAMES = ("ZipKVCache", "enable", "generate")
 

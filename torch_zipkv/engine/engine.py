@@ -27,7 +27,8 @@ _CUDA_DEFAULT_MEMORY_FRACTION = 0.7
 # While requests wait for room, each compression call reclaims the holes finished requests left in packed chunks
 # (CompressedPagedKVCache.compact(max_bytes, sparse)): chunks at most this live are emptied into others, moving at
 # most this share of the arena a call. A CPU load (docs/performance.md, "Requests at once over a long load") kept
-# 1.16x the raw engine's requests at once with these, 1.06x without; the moves cost ~1 MiB of copies a step there.
+# 1.14x the raw engine's requests at once with these, 1.08x without (benchmarks/bench_long_load.py, which sets
+# _RECLAIM_SHARE to 0, no reclaim, for the comparison).
 _RECLAIM_SPARSE = 0.9
 _RECLAIM_SHARE = 8
 
@@ -225,7 +226,7 @@ class Engine:
         if self.compress and (self._steps % self.compress_every == 0 or self._compression_backlog):
             self.kv.compress_full_pages(wait=False)
             self._compression_backlog = self.kv.compression_backlog() > 0
-            if self.scheduler.waiting:
+            if self.scheduler.waiting and _RECLAIM_SHARE:
                 self.kv.compact(self.kv.data.numel() // _RECLAIM_SHARE, sparse=_RECLAIM_SPARSE)
         self._admit()
         sched, runner = self.scheduler, self.runner

@@ -68,6 +68,10 @@
 #                     sync-free decode test among them), bench_prefix_rate_inf_zipkv_4c92c1e.json (zipkv+cache only:
 #                     raw+cache was cut by --time-limit), ../bench_prefix_h100.json/.md (16/s, both systems; the .png
 #                     drawn here from the JSON by bench_prefix.plot); the device budget ran out during the call
+#   a later session, kind nvidia-h200 asked, an H100 80GB HBM3 came (four earlier calls found no machine):
+#   call 26 (ba5a318): COMMIT=ba5a318 bash run30.sh -> sync_probe_ba5a318.log (1 synchronizing call in 56 steps, none
+#                     from torch_zipkv or transformers: prefill steps do not sync), bench_prefix_saturating_ba5a318.json
+#                     (1024 requests at 64/s, both systems), torch_profile_saturating_zipkv_cache.txt (steps 60-83)
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
 # CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
@@ -374,4 +378,22 @@ echo "rate inf at $SECONDS s"
 python3 benchmarks/bench_prefix.py --out "$OUT/r16" --workloads shared --systems zipkv+cache raw+cache \
   --time-limit $((400 - SECONDS)) 2>&1 | grep "shared /"
 rm -f "$OUT"/*/*.png "$OUT"/*/*.md
+echo "all $SECONDS s"
+# ---- .box/run30.sh
+# Sync probe of the engine's steps, then a load memory binds: the shared prompt, 1024 requests at 64/s (the raw
+# engine's capacity, 163, is below what arrives), zipkv+cache against raw+cache, with a torch.profiler table of steps 60-83 (prefill steps among them).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/sat"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+if [ ! -e /tmp/zipkv-site ] || ! ls torch_zipkv/_C*.so >/dev/null 2>&1; then
+  rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+fi
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 150 python3 benchmarks/profile_engine_syncs.py 2>&1 | grep -v "Warn\|warn" | tee "$OUT/sync_probe.log" | tail -25
+echo "probe at $SECONDS s"
+ZIPKV_TORCH_PROFILE=$OUT/sat ZIPKV_TORCH_PROFILE_STEPS=60:84 python3 benchmarks/bench_prefix.py --out "$OUT/sat" --workloads shared \
+  --systems zipkv+cache raw+cache --rate 64 --requests 1024 --time-limit $((585 - SECONDS)) 2>&1 | grep "shared /\|    decode"
+rm -f "$OUT"/*/*.png
 echo "all $SECONDS s"
