@@ -1,7 +1,7 @@
 """Requests at once over a long load: a burst of requests over one shared prompt prefix, far more than fit, served to
 the end by the engine, and the decode rows of its steps in steady state (the middle of the load: the first wave
-admitted, requests finishing and new ones taking their room), for the raw engine, the compressed engine without the
-bounded compaction it runs while requests wait, and the compressed engine as shipped.
+admitted, requests finishing and new ones taking their room), for the raw engine, the compressed engine, and the
+compressed engine with ``reclaim=True`` (a bounded compaction while requests wait).
 
     python benchmarks/bench_long_load.py --out DIR          # CPU, a tiny random Llama, ~5 min on 2 cores
 
@@ -26,37 +26,30 @@ import torch
 
 from bench_e2e import build_model
 from bench_hf import TINY
-import torch_zipkv.engine.engine as engine_module
 from torch_zipkv.engine import Engine, SamplingParams
 
-SYSTEMS = {"raw": dict(compress=False, reclaim=True), "zipkv, no reclaim": dict(compress=True, reclaim=False),
-           "zipkv": dict(compress=True, reclaim=True)}
+SYSTEMS = {"raw": dict(compress=False), "zipkv": dict(compress=True),
+           "zipkv, reclaim": dict(compress=True, reclaim=True)}
 
 
 def run(system: str, requests: int, budget: int, device: torch.device) -> dict:
-    cfg = SYSTEMS[system]
-    share = engine_module._RECLAIM_SHARE
-    engine_module._RECLAIM_SHARE = share if cfg["reclaim"] else 0
-    try:
-        eng = Engine(build_model(TINY, device), max_kv_bytes=budget, kv_chunk_bytes=512 << 10, prefill_chunk=2048,
-                     compress_every=8, compress=cfg["compress"], prefix_caching=True)
-        rng = random.Random(0)
-        prefix = [rng.randrange(TINY["vocab_size"]) for _ in range(1024)]
-        for _ in range(requests):
-            eng.add_request(prefix + [rng.randrange(TINY["vocab_size"]) for _ in range(512)],
-                            SamplingParams(max_new_tokens=256))
-        rows, frag, t = [], [], time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-            rows.append(len(eng.scheduler.decoding()))
-            frag.append(eng.kv.stats()["fragmentation"])
-        middle = slice(len(rows) // 5, 3 * len(rows) // 5)  # after the first wave's admission, before the drain
-        return {"system": system, "steps": len(rows), "largest_batch": max(rows),
-                "steady_rows": sum(rows[middle]) / len(rows[middle]),
-                "steady_fragmentation": sum(frag[middle]) / len(frag[middle]), "kv_ratio": eng.kv.stats()["ratio"],
-                "wall_s": time.perf_counter() - t}
-    finally:
-        engine_module._RECLAIM_SHARE = share
+    eng = Engine(build_model(TINY, device), max_kv_bytes=budget, kv_chunk_bytes=512 << 10, prefill_chunk=2048,
+                 compress_every=8, prefix_caching=True, **SYSTEMS[system])
+    rng = random.Random(0)
+    prefix = [rng.randrange(TINY["vocab_size"]) for _ in range(1024)]
+    for _ in range(requests):
+        eng.add_request(prefix + [rng.randrange(TINY["vocab_size"]) for _ in range(512)],
+                        SamplingParams(max_new_tokens=256))
+    rows, frag, t = [], [], time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+        rows.append(len(eng.scheduler.decoding()))
+        frag.append(eng.kv.stats()["fragmentation"])
+    middle = slice(len(rows) // 5, 3 * len(rows) // 5)  # after the first wave's admission, before the drain
+    return {"system": system, "steps": len(rows), "largest_batch": max(rows),
+            "steady_rows": sum(rows[middle]) / len(rows[middle]),
+            "steady_fragmentation": sum(frag[middle]) / len(frag[middle]), "kv_ratio": eng.kv.stats()["ratio"],
+            "wall_s": time.perf_counter() - t}
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ Workloads (the load and the serving loop are ``python -m torch_zipkv.serve``'s o
   arrives when the previous turn finishes; the first turn is ``--first-len`` (1024) tokens.
 
 Systems: ``zipkv+cache`` (compression and prefix caching, the defaults), ``zipkv`` (``prefix_caching=False``),
-``raw+cache`` (``compress=False``). Per system and workload: TTFT p50 / p99 (from arrival, queueing included, as the
+``raw+cache`` (``compress=False``); asked for by ``--systems``, ``zipkv+cache+reclaim`` (``reclaim=True``). Per
+system and workload: TTFT p50 / p99 (from arrival, queueing included, as the
 caller of ``step()`` sees it), output tokens/s over the run, the largest decode batch (requests running at once at the
 peak), and the prefix cache's hit rate (prompt tokens found / prompt tokens admitted).
 
@@ -60,7 +61,10 @@ from bench_e2e import GiB, build_model, git_commit, jsonable, parse_budget, budg
 from bench_hf import LLAMA_8B, TINY
 
 SYSTEMS = {"zipkv+cache": dict(compress=True, prefix_caching=True), "zipkv": dict(compress=True, prefix_caching=False),
-           "raw+cache": dict(compress=False, prefix_caching=True)}
+           "raw+cache": dict(compress=False, prefix_caching=True),
+           # not run unless asked: Engine(reclaim=True), a bounded compaction while requests wait
+           "zipkv+cache+reclaim": dict(compress=True, prefix_caching=True, reclaim=True)}
+DEFAULT_SYSTEMS = ["zipkv+cache", "zipkv", "raw+cache"]
 WORKLOADS = ("shared", "chat")
 SIZES = {  # per mode: the workloads' lengths and counts, the budget, the prefill chunk, the engine's compress_every
     "full": dict(shared_prefix_len=4096, private_len=512, gen_len=256, requests=256, conversations=64, turns=4,
@@ -380,7 +384,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="CPU run: a tiny random Llama, short prompts, MiB budgets")
     p.add_argument("--quick", action="store_true", help="GPU smoke run: fewer, shorter requests (~2-3 min)")
     p.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
-    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=DEFAULT_SYSTEMS)
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     for name in ("shared-prefix-len", "private-len", "gen-len", "requests", "conversations", "turns", "first-len",
                  "message-len", "prefill-chunk", "warmup", "compress-every"):

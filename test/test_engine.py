@@ -298,6 +298,29 @@ def test_admission_within_budget_and_fcfs(llama):
     assert sorted(order) == ids
 
 
+def test_reclaim_moves_pages_while_requests_wait_and_changes_no_token(llama, monkeypatch):
+    """Engine(reclaim=True) compacts after compression calls while requests wait (pages of running requests move
+    between chunks): every request's tokens are the reclaim=False engine's and transformers' own, and compaction
+    really moved pages."""
+    model, ref = llama
+    rng = random.Random(11)
+    prefix = prompts_of(rng, [48])[0]
+    prompts = [prefix + p for p in prompts_of(rng, [20 + 7 * i for i in range(10)])]
+    params = SamplingParams(max_new_tokens=24)
+    with pytest.raises(TypeError, match="reclaim must be a bool"):
+        Engine(model, max_kv_bytes=KV_BYTES, reclaim=1)
+    outs = {}
+    for reclaim in (False, True):
+        eng = Engine(model, max_kv_bytes=640 << 10, kv_chunk_bytes=16 << 10, compress_every=2, reclaim=reclaim)
+        moved, compact = [], eng.kv.compact
+        monkeypatch.setattr(eng.kv, "compact", lambda *a, **k: moved.append(compact(*a, **k)) or moved[-1])
+        outs[reclaim] = [o.token_ids for o in eng.generate(prompts, params)]
+        assert (sum(moved) > 0) == reclaim and eng.stats()["largest_batch"] < len(prompts)  # requests waited
+    assert outs[True] == outs[False]
+    for prompt, tokens in zip(prompts, outs[True]):
+        ref.check(prompt, tokens)
+
+
 def test_stop_token_finishes_and_drops_the_late_token(llama):
     """A stop token ends the request with reason "stop", the stop token last; the token the engine launched before it
     read the stop token back (one step late) is never reported."""

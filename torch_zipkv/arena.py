@@ -390,31 +390,35 @@ class Arena:
         their pages into packed room elsewhere (the destination's tail, another tail, or a chunk from the pool
         while every promise holds, as compressed pages are placed) and go back to the pool, moving at most
         ``max_bytes`` of them. Freed pages leave holes in packed chunks that nothing else reclaims: in a serving load
-        without this, a fifth of the packed bytes were holes that new requests could not use. A chunk some of whose
-        pages find no room keeps them and is not tried again. Batches as :meth:`compaction`'s."""
+        without this, a fifth of the packed bytes were holes that new requests could not use. A source some of whose
+        pages find no room keeps them. Batches as :meth:`compaction`'s (the sources' moves in one)."""
         page_bytes, C = self.page_bytes, self.chunk_bytes
         sizes, offsets = self.nbytes[layer], self.offset[layer]
         live = offsets >= 0
         if ((sizes < page_bytes) & live & (self.kind[np.where(live, offsets // C, 0)] == SLOTS)).any():
             yield from self._pack_in_place(layer)
         yield from self.drain_slots(layer, slack=1)
-        moved, tried = 0, set()
-        while True:
-            src = min((c for c in self.packed_chunks[layer] if c != self.dest[layer] and c not in tried
-                       and self.live[c] <= sparse * C), key=lambda c: (int(self.live[c]), c), default=None)
-            if src is None or moved + int(self.live[src]) > max_bytes:
-                return
-            tried.add(src)
-            pages = self._pages_in(layer, src)
-            old, sizes = self.offset[layer, pages], self.nbytes[layer, pages]
-            used, self.used[src] = self.used[src], C  # its own tail is never its pages' room
-            new = self._repack_each(np.full(len(pages), layer), pages, sizes)
-            self.offset[layer, pages], self.nbytes[layer, pages] = new, sizes
-            if self.kind[src] == PACKED and self.owner[src] == layer:  # some pages stayed
-                self.used[src] = used
-            go = new != old
-            moved += int(sizes[go].sum())
-            yield list(zip(pages[go].tolist(), old[go].tolist(), new[go].tolist(), sizes[go].tolist()))
+        # The sources, sparsest first, while their live bytes fit max_bytes; their pages in that order, placed in one
+        # call (one Python step per destination chunk, not per page or per source: a serving load runs this often).
+        cands = sorted((c for c in self.packed_chunks[layer] if c != self.dest[layer] and self.live[c] <= sparse * C),
+                       key=lambda c: (int(self.live[c]), c))
+        cands = np.array(cands, dtype=np.int64)[np.cumsum(self.live[cands]) <= max_bytes] if cands else cands
+        if not len(cands):
+            return
+        rank = np.full(self.num_chunks + 1, -1, dtype=np.int64)  # a source's place in the order; -1: not a source
+        rank[cands] = np.arange(len(cands))
+        chunk_of = np.where(live, offsets // C, self.num_chunks)
+        pages = np.nonzero(rank[chunk_of] >= 0)[0]
+        pages = pages[np.lexsort((offsets[pages], rank[chunk_of[pages]]))]
+        old, sizes = offsets[pages], self.nbytes[layer, pages]
+        used = self.used[cands]
+        self.used[cands] = C  # a source's tail is never room for the pages
+        new = self._repack_each(np.full(len(pages), layer), pages, sizes)
+        self.offset[layer, pages], self.nbytes[layer, pages] = new, sizes
+        go = new != old
+        kept = np.unique(chunk_of[pages[~go]])  # sources some of whose pages found no room: still theirs
+        self.used[kept] = used[rank[kept]]
+        yield list(zip(pages[go].tolist(), old[go].tolist(), new[go].tolist(), sizes[go].tolist()))
 
     def _pack_in_place(self, layer: int) -> Iterator[list[tuple[int, int, int, int]]]:
         """Pages compressed in place (smaller than a slot) into packed room. Chunks come from the pool only when the

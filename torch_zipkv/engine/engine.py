@@ -24,11 +24,9 @@ from .tp import RankSync
 
 _CPU_DEFAULT_KV_BYTES = 256 << 20
 _CUDA_DEFAULT_MEMORY_FRACTION = 0.7
-# While requests wait for room, each compression call reclaims the holes finished requests left in packed chunks
-# (CompressedPagedKVCache.compact(max_bytes, sparse)): chunks at most this live are emptied into others, moving at
-# most this share of the arena a call. A CPU load (docs/performance.md, "Requests at once over a long load") kept
-# 1.14x the raw engine's requests at once with these, 1.08x without (benchmarks/bench_long_load.py, which sets
-# _RECLAIM_SHARE to 0, no reclaim, for the comparison).
+# Engine(reclaim=True): while requests wait for room, each compression call reclaims the holes finished requests left
+# in packed chunks (CompressedPagedKVCache.compact(max_bytes, sparse)): chunks at most this live are emptied into
+# others, moving at most this share of the arena a call.
 _RECLAIM_SPARSE = 0.9
 _RECLAIM_SHARE = 8
 
@@ -70,13 +68,19 @@ class Engine:
             until their room is needed (docs/engine.md, "Prefix caching"); a decode step attends to the pages its
             requests share once for all of them (:mod:`torch_zipkv.shared_prefix`). False: every prompt is
             prefilled whole.
+        reclaim: while requests wait for room, follow each compression call with a bounded compaction
+            (``kv.compact(max_bytes, sparse)``): finished requests leave holes in the packed chunks their compressed
+            pages shared with others, which only compaction turns into room. Off by default until measured on a GPU
+            in its present form (docs/performance.md, "Prefix caching end to end": on the H100 it kept 1.18x the
+            raw engine's requests at once in steady state against 1.07x, but its earlier, per-chunk host work cost
+            more tokens/s than that bought).
     """
 
     def __init__(self, model, *, max_kv_bytes: int | None = None, memory_fraction: float | None = None,
                  compress: bool = True, max_batch: int | None = None, prefill_chunk: int = 512,
                  cuda_graphs: bool | None = None, tokenizer=None, page_size: int = 16, compress_every: int = 8,
                  seed: int = 0, kv_chunk_bytes: int | None = None, compile: bool | None = None,
-                 fuse_projections: bool | None = None, prefix_caching: bool = True):
+                 fuse_projections: bool | None = None, prefix_caching: bool = True, reclaim: bool = False):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         check_int("prefill_chunk", prefill_chunk, 1)
@@ -85,7 +89,7 @@ class Engine:
         check_int("max_kv_bytes", max_kv_bytes, 1, optional=True)
         check_int("kv_chunk_bytes", kv_chunk_bytes, 1, optional=True)
         check_int("seed", seed)
-        for name, flag in (("compress", compress), ("prefix_caching", prefix_caching)):
+        for name, flag in (("compress", compress), ("prefix_caching", prefix_caching), ("reclaim", reclaim)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         for name, flag in (("cuda_graphs", cuda_graphs), ("compile", compile), ("fuse_projections", fuse_projections)):
@@ -103,7 +107,7 @@ class Engine:
 
         self.model = enable(model)  # refuses, before anything is built, a model the cache cannot serve (not bf16, ...)
         self.tokenizer = tokenizer
-        self.compress, self.compress_every = compress, compress_every
+        self.compress, self.compress_every, self.reclaim = compress, compress_every, reclaim
         self._compression_backlog = False  # full pages the last compression call left waiting
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
@@ -247,7 +251,7 @@ class Engine:
         if self.compress and (self._steps % self.compress_every == 0 or self._compression_backlog):
             self.kv.compress_full_pages(wait=False)
             self._compression_backlog = self.kv.compression_backlog() > 0
-            if self.scheduler.waiting and _RECLAIM_SHARE:
+            if self.reclaim and self.scheduler.waiting:
                 self.kv.compact(self.kv.data.numel() // _RECLAIM_SHARE, sparse=_RECLAIM_SPARSE)
         if previous is not None:
             reqs, tokens = runner.read_back(previous)

@@ -72,6 +72,10 @@
 #   call 26 (ba5a318): COMMIT=ba5a318 bash run30.sh -> sync_probe_ba5a318.log (1 synchronizing call in 56 steps, none
 #                     from torch_zipkv or transformers: prefill steps do not sync), bench_prefix_saturating_ba5a318.json
 #                     (1024 requests at 64/s, both systems), torch_profile_saturating_zipkv_cache.txt (steps 60-83)
+#   two calls found no machine; then, another H100:
+#   call 27 (4f8fe96): COMMIT=4f8fe96 bash run32.sh -> test_engine_cuda_prepare_prefill.log (7 passed, 1 skipped),
+#                     bench_prefix_saturating_reclaim.json (the engine's reclaim on, as 4f8fe96 had it: steady-state
+#                     rows 1.18x raw, tokens/s 0.82x); the device budget was spent
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
 # CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
@@ -395,5 +399,21 @@ timeout 150 python3 benchmarks/profile_engine_syncs.py 2>&1 | grep -v "Warn\|war
 echo "probe at $SECONDS s"
 ZIPKV_TORCH_PROFILE=$OUT/sat ZIPKV_TORCH_PROFILE_STEPS=60:84 python3 benchmarks/bench_prefix.py --out "$OUT/sat" --workloads shared \
   --systems zipkv+cache raw+cache --rate 64 --requests 1024 --time-limit $((585 - SECONDS)) 2>&1 | grep "shared /\|    decode"
+rm -f "$OUT"/*/*.png
+echo "all $SECONDS s"
+# ---- .box/run32.sh
+# The engine's CUDA tests, then the saturating shared-prompt load (1024 requests at 64/s), zipkv+cache against
+# raw+cache, after the capacity fixes (compression takes a chunk its freed slots pay back; bounded compaction).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/sat"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 90 python3 -m pytest test/test_engine_cuda.py -q -p no:cacheprovider -n 6 -rfE 2>&1 | tee "$OUT/test_engine_cuda.log" | grep -v "Warn\|warn" | tail -4
+echo "tests at $SECONDS s"
+python3 benchmarks/bench_prefix.py --out "$OUT/sat" --workloads shared \
+  --systems zipkv+cache raw+cache --rate 64 --requests 1024 --time-limit $((590 - SECONDS)) 2>&1 | grep "shared /\|    decode"
 rm -f "$OUT"/*/*.png
 echo "all $SECONDS s"
