@@ -415,24 +415,31 @@ def test_compression_in_place_when_no_packed_room_then_compaction_packs(gen):
     check_all(cache, kept)
 
 
+def fragmented(chunks: int, tokens) -> tuple:
+    """A 2-layer cache of ``chunks`` chunks after 4 rounds of ``tokens(i)`` tokens for each of 8 sequences, compressed
+    each round (so each packed chunk holds pages of several), then every other sequence freed; with its ``kept``."""
+    cache = make(layers=2, chunks=chunks, chunk_pages=4)
+    kept = {}
+    sids = [cache.add_sequence() for _ in range(8)]
+    for rnd in range(4):
+        for layer in range(2):
+            for i, sid in enumerate(sids):
+                fill(cache, kept, layer, sid, tokens(i), 100 * rnd + 10 * layer + i)
+        cache.compress_full_pages()
+    for sid in sids[::2]:
+        cache.free_sequence(sid)
+        for layer in range(2):
+            del kept[(sid, layer)]
+    return cache, kept
+
+
 @pytest.mark.parametrize("merged", [True, False])
 def test_compaction_gathers_scattered_free_room_into_whole_chunks(merged, monkeypatch):
     """Also with the arena's batches of moves merged into one copy (the default; compaction here moves some pages
     twice, so the copy must take each from where it was to where it ends) against one copy per batch."""
     if not merged:
         monkeypatch.setattr(torch_zipkv.cache, "MOVE_BYTES", 1)
-    cache = make(layers=2, chunks=24, chunk_pages=4)
-    kept = {}
-    sids = [cache.add_sequence() for _ in range(8)]
-    for rnd in range(4):  # interleave sequences so each chunk holds pages of several
-        for layer in range(2):
-            for i, sid in enumerate(sids):
-                fill(cache, kept, layer, sid, P + 5 * (i % 3), 100 * rnd + 10 * layer + i)
-        cache.compress_full_pages()
-    for sid in sids[::2]:
-        cache.free_sequence(sid)
-        for layer in range(2):
-            del kept[(sid, layer)]
+    cache, kept = fragmented(chunks=24, tokens=lambda i: P + 5 * (i % 3))
     before = cache.stats()
     assert before["fragmentation"] > 0.4
     copies, batches, store_move, compaction = [], [], cache._store.move, cache._arena.compaction
@@ -457,18 +464,7 @@ def test_a_bounded_compaction_empties_sparse_packed_chunks_within_its_bytes(monk
     """compact(max_bytes, sparse): only packed chunks at most ``sparse`` live move, sparsest first, never more than
     max_bytes (split over the layers) in all; each one emptied goes back to the pool; contents stay intact. Freeing
     every other sequence leaves each packed chunk about half live."""
-    cache = make(layers=2, chunks=40, chunk_pages=4)
-    kept = {}
-    sids = [cache.add_sequence() for _ in range(8)]
-    for rnd in range(4):  # interleave sequences so each chunk holds pages of several
-        for layer in range(2):
-            for i, sid in enumerate(sids):
-                fill(cache, kept, layer, sid, 2 * P, 100 * rnd + 10 * layer + i)
-        cache.compress_full_pages()
-    for sid in sids[::2]:
-        cache.free_sequence(sid)
-        for layer in range(2):
-            del kept[(sid, layer)]
+    cache, kept = fragmented(chunks=40, tokens=lambda i: 2 * P)
     arena = cache._arena
     C = arena.chunk_bytes
 
