@@ -725,10 +725,9 @@ class CompressedPagedKVCache:
     def _open_pages(self, layers: slice, batch: Batch, layout: AppendLayout, prefill: bool = False) -> list[np.ndarray]:
         """Give the layout's new pages ids (first layer to reach them) and raw slots in each of ``layers`` (all of
         them for a decode step or a prefill, one for an append), or raise CacheFullError before changing anything
-        (``prefill`` names the caller in its message). Returns the
-        device writes that makes, for :meth:`PageStore.write_open_rows` after an upload: the pages' meta rows (int64
-        [k]), their values (int32 [k, 2, H, W]) and the slots to zero (of slot chunks just taken from the pool);
-        nothing if no page opens."""
+        (``prefill`` names the caller in its message). Returns the device writes that makes, for
+        :meth:`PageStore.write_open_rows` after an upload: the pages' meta rows (int64 [k]), their values (int32
+        [k, 2, H, W]) and the slots to zero (of slot chunks just taken from the pool); nothing if no page opens."""
         if not layout.new:
             return []
         new = [(batch.seqs[i], j) for i, j in layout.new]
