@@ -349,7 +349,10 @@ class Arena:
             # call that fit a chunk), if they are in slots (pages just compressed): counting them keeps a cache whose
             # pool is all promised (a serving load admits until it is) from compressing every page in place, where
             # it saves nothing. So a call that places more pages at once may pack what smaller ones keep in place.
-            fit = int(np.searchsorted(np.cumsum(sizes[i: run_end[i]]), self.chunk_bytes, side="right"))
+            # (Looking at most 4 chunks' slots ahead: fewer counted only makes the rule stricter, and a run of pages
+            # kept in place asks again at each page.)
+            ahead = min(int(run_end[i]), i + 4 * self.slots_per_chunk)
+            fit = int(np.searchsorted(np.cumsum(sizes[i: ahead]), self.chunk_bytes, side="right"))
             mine = self.offset[layer, pages[i: i + fit]] // self.chunk_bytes
             off = self._alloc_packed(layer, int(sizes[i]), frees=int((self.kind[mine] == SLOTS).sum()))
             if off is None:
