@@ -278,13 +278,9 @@ class Arena:
         d = int(self.dest[layer])
         if d < 0 or self.used[d] + size > self.chunk_bytes:
             tails = [c for c in self.packed_chunks[layer] if self.used[c] + size <= self.chunk_bytes]
-            free = self.free_slot_count
-            if frees:
-                free = free.copy()
-                free[layer] += frees
             if tails:
                 d = max(tails, key=lambda c: self.chunk_bytes - self.used[c])
-            elif take and self.pool and self.pool_need(free_slots=free) <= len(self.pool) - 1:
+            elif take and self.pool and self._spares_a_chunk(layer, frees):
                 d = self._take_chunk(layer, PACKED)
             else:
                 return None
@@ -293,6 +289,15 @@ class Arena:
         self.used[d] += size
         self.live[d] += size
         return off
+
+    def _spares_a_chunk(self, layer: int, frees: int) -> bool:
+        """Whether the pool can give a chunk and still keep every promise once ``frees`` more slots of ``layer`` are
+        free."""
+        free = self.free_slot_count
+        if frees:
+            free = free.copy()
+            free[layer] += frees
+        return self.pool_need(free_slots=free) <= len(self.pool) - 1
 
     def repack(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Raw pages ``(layers[i], pages[i])`` (layers ascending) now compressed to ``sizes[i]`` bytes, in this order:

@@ -392,11 +392,7 @@ class CompressedPagedKVCache:
             raise TypeError(f"shared_prefix must be a bool, got {type(shared_prefix).__name__}")
         rows = len(batch.seqs) if rows is None else rows
         check_int("rows", rows, len(batch.seqs))
-        lens = self._pool.len[batch.rows]  # [B, layers]
-        start = lens[:, 0]
-        if (lens != start[:, None]).any():
-            raise RuntimeError("prepare_step needs every layer at the same length for these sequences; use append() "
-                               "per layer otherwise")
+        start = self._common_lengths(batch, "prepare_step")
         layout = self._layouts.layout(start, None)  # used once: not remembered
         writes = self._open_pages(slice(None), batch, layout)
         tables = self._layouts.step_tables(batch, start)
@@ -410,9 +406,7 @@ class CompressedPagedKVCache:
         # The step's one host-to-device copy, the step's tensors first (see TokenLayouts.step_tables).
         page_ids, slots, indptr, last, indices, *rest = self._upload(*tables, *extra, *writes)
         self._store.write_open_rows(*rest[len(extra):])
-        self._pool.len[batch.rows] = layout.end[:, None]
-        if layout.filled:
-            self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
+        self._appended_to_all_layers(batch, layout)
         if shared is not None:
             shared = SharedTables(*rest[: len(extra)], rows=rows, sharing_rows=shared["sharing_rows"],
                                   shared_pages=shared["shared_pages"])
@@ -433,19 +427,13 @@ class CompressedPagedKVCache:
         for m in q_lens:
             check_int("q_lens", m, 0)
         counts = np.array([int(m) for m in q_lens], dtype=np.int64)
-        lens = self._pool.len[batch.rows]  # [B, layers]
-        start = lens[:, 0]
-        if (lens != start[:, None]).any():
-            raise RuntimeError("prepare_prefill needs every layer at the same length for these sequences; use "
-                               "append() per layer otherwise")
+        start = self._common_lengths(batch, "prepare_prefill")
         layout = self._layouts.prefill_layout(start, counts)
         writes = self._open_pages(slice(None), batch, layout, prefill=True)
         tables = self._layouts.prefill_tables(batch, start, counts)
         page_ids, slots, qo_indptr, indptr, last, indices, *rest = self._upload(*tables, *writes)
         self._store.write_open_rows(*rest)
-        self._pool.len[batch.rows] = layout.end[:, None]
-        if layout.filled:
-            self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
+        self._appended_to_all_layers(batch, layout)
         return PrefillStep(page_ids, slots, qo_indptr, indptr, indices, last, self._generation)
 
     def check_step(self, step, fn: str = "check_step", kinds: tuple = (DecodeStep,)) -> None:
@@ -722,6 +710,21 @@ class CompressedPagedKVCache:
         return all_min(values, self.process_group, self.device)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
+    def _common_lengths(self, batch: Batch, fn: str) -> np.ndarray:
+        """The sequences' lengths [B], the same in every layer (else RuntimeError): a step prepared for all layers."""
+        lens = self._pool.len[batch.rows]  # [B, layers]
+        start = lens[:, 0]
+        if (lens != start[:, None]).any():
+            raise RuntimeError(f"{fn} needs every layer at the same length for these sequences; use append() per "
+                               "layer otherwise")
+        return start
+
+    def _appended_to_all_layers(self, batch: Batch, layout: AppendLayout) -> None:
+        """Count a prepared step's tokens in every layer; the pages it fills wait for compression."""
+        self._pool.len[batch.rows] = layout.end[:, None]
+        if layout.filled:
+            self._compression.add_full(slice(None), self._layouts.filled_ids(batch, layout))
+
     def _open_pages(self, layers: slice, batch: Batch, layout: AppendLayout, prefill: bool = False) -> list[np.ndarray]:
         """Give the layout's new pages ids (first layer to reach them) and raw slots in each of ``layers`` (all of
         them for a decode step or a prefill, one for an append), or raise CacheFullError before changing anything

@@ -42,15 +42,14 @@ class EngineCache(Cache):
         self.kv = kv
         self.mode: str | None = None
         self.step: DecodeStep | PrefillStep | None = None
-        self.tokens = 0  # a prefill's new tokens, all chunks
 
     def for_decode(self, step: DecodeStep) -> None:
         self.mode, self.step = "decode", step
 
-    def for_prefill(self, step: PrefillStep, tokens: int) -> None:
-        """The next call prefills the ``tokens`` new tokens of ``step`` (from ``prepare_prefill``), its chunks'
-        tokens one after another."""
-        self.mode, self.step, self.tokens = "prefill", step, tokens
+    def for_prefill(self, step: PrefillStep) -> None:
+        """The next call prefills the new tokens of ``step`` (from ``prepare_prefill``), its chunks' tokens one after
+        another."""
+        self.mode, self.step = "prefill", step
 
     # ---- transformers' Cache interface ---------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -87,8 +86,9 @@ class EngineCache(Cache):
         return self._prefill_chunk(module, layer, query, key, value, scaling, sliding_window, softcap)
 
     def _prefill_chunk(self, module, layer, query, key, value, scaling, window, softcap):
-        if query.shape[0] != 1 or query.shape[2] != self.tokens:
-            raise ValueError(f"a prefill is one row of the chunks' {self.tokens} tokens, got query of shape "
+        tokens = self.step.page_ids.shape[0]
+        if query.shape[0] != 1 or query.shape[2] != tokens:
+            raise ValueError(f"a prefill is one row of the chunks' {tokens} tokens, got query of shape "
                              f"{tuple(query.shape)}")
         # Append every chunk, then attend to each request's pages in place (earlier chunks compressed or raw, these
         # raw): paged_prefill applies the causal mask per request, the layer's window and the soft cap.

@@ -145,7 +145,7 @@ class ModelRunner:
                                    f"holds {self.kv.seq_len(0, req.seq_id)} tokens")
         step = self.kv.prepare_prefill([req.seq_id for req, _, _ in chunks], [n for _, _, n in chunks])
         ids, pos, keep = self._upload(ids, pos, keep)
-        self.hf_cache.for_prefill(step, at)
+        self.hf_cache.for_prefill(step)
         logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=True, logits_to_keep=keep,
                             **{self._cache_kw: self.hf_cache}).logits[0]
         if not done:

@@ -68,7 +68,7 @@
 #                     sync-free decode test among them), bench_prefix_rate_inf_zipkv_4c92c1e.json (zipkv+cache only:
 #                     raw+cache was cut by --time-limit), ../bench_prefix_h100.json/.md (16/s, both systems; the .png
 #                     drawn here from the JSON by bench_prefix.plot); the device budget ran out during the call
-#   a later session, kind nvidia-h200 asked, an H100 80GB HBM3 came (four earlier calls found no machine):
+#   later the same day (17:10-18:35 UTC), kind nvidia-h200 asked, an H100 80GB HBM3 came (four earlier calls found no machine):
 #   call 26 (ba5a318): COMMIT=ba5a318 bash run30.sh -> sync_probe_ba5a318.log (1 synchronizing call in 56 steps, none
 #                     from torch_zipkv or transformers: prefill steps do not sync), bench_prefix_saturating_ba5a318.json
 #                     (1024 requests at 64/s, both systems), torch_profile_saturating_zipkv_cache.txt (steps 60-83)
