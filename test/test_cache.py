@@ -953,6 +953,68 @@ def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
         check_all(c, kept)
 
 
+def test_pages_kept_in_place_are_skipped_as_one_at_a_time_keeps_them():
+    """Arena.repack and the compactions find a run of compressed pages that stay in place (no packed chunk's tail
+    fits them and the pool cannot spare a chunk, even with the slots they would pay back) at once, not a page at a
+    time. Against the same arena trying one page at a time (the shortcut off), over random states whose pool is all
+    or partly promised, with holes and several layers per call: the same offsets, tables, chunk kinds, pool and free
+    slots after every call and the same moves, with calls that keep some pages in place and pack others."""
+    rng = np.random.default_rng(0)
+    page_bytes = 4 * fmt.STREAM_ALIGN
+    mixed, skipped = 0, []
+    for _ in range(60):
+        fast, slow = (Arena(3, 300, 14, 4 * page_bytes, page_bytes) for _ in range(2))
+        slow._kept_in_place = lambda *a: 0
+        shortcut = fast._kept_in_place
+        fast._kept_in_place = lambda *a, f=shortcut: skipped.append(f(*a)) or skipped[-1]
+        next_page = np.zeros(3, dtype=np.int64)
+
+        def same():
+            for a, b in ((fast.offset, slow.offset), (fast.nbytes, slow.nbytes), (fast.kind, slow.kind),
+                         (fast.used, slow.used), (fast.live, slow.live), (fast.dest, slow.dest),
+                         (fast.free_slot_count, slow.free_slot_count), (fast.free_top, slow.free_top)):
+                assert np.array_equal(a, b)
+            assert fast.pool == slow.pool
+
+        for _ in range(8):
+            for layer in range(3):
+                n = int(rng.integers(0, 7))
+                if fast.fits(slice(layer, layer + 1), n):
+                    pages = np.arange(next_page[layer], next_page[layer] + n)
+                    next_page[layer] += n
+                    for a in (fast, slow):
+                        a.place_raw(slice(layer, layer + 1), pages)
+            reserved = rng.integers(0, 9, 3)
+            while fast.pool_need() > len(fast.pool) or (reserved == 0).all():  # promise what the pool holds
+                fast.reserved[:] = reserved
+                if fast.pool_need() <= len(fast.pool):
+                    break
+                reserved = np.maximum(0, reserved - rng.integers(0, 2, 3))
+            slow.reserved[:] = fast.reserved
+            raw = np.argwhere(fast.nbytes == page_bytes)  # (layer, page), layers ascending
+            pick = np.sort(rng.choice(len(raw), size=int(rng.integers(0, len(raw) + 1)), replace=False))
+            layers, pages = raw[pick, 0], raw[pick, 1]
+            sizes = rng.integers(1, 5, len(pick)) * fmt.STREAM_ALIGN
+            out = [a.repack(layers, pages, sizes) for a in (fast, slow)]
+            assert np.array_equal(out[0], out[1])
+            same()
+            in_slot = fast.kind[out[0] // fast.chunk_bytes] == 1
+            mixed += bool(in_slot.any() and (~in_slot).any())
+            live = np.argwhere(fast.offset >= 0)
+            gone = live[rng.random(len(live)) < 0.2]  # holes in packed chunks, free slots
+            for a in (fast, slow):
+                a.release(gone[:, 0], gone[:, 1])
+            layer = int(rng.integers(0, 3))
+            if rng.random() < 0.5:
+                max_bytes = int(rng.integers(0, 3 * fast.chunk_bytes))
+                moves = [list(a.reclaim(layer, max_bytes, 0.9)) for a in (fast, slow)]
+            else:
+                moves = [list(a.compaction(layer)) for a in (fast, slow)]
+            assert moves[0] == moves[1]
+            same()
+    assert mixed >= 10 and sum(n > 1 for n in skipped) >= 10
+
+
 def test_compression_without_waiting_starts_two_rounds_at_most_and_leaves_the_rest(monkeypatch):
     """compress_full_pages(wait=False) never places a round it started in the same call (on CUDA that waits for the
     device, which stalled each such engine step): with 8 full pages and rounds of 2, a call starts 2 rounds, places

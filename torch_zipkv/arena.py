@@ -334,7 +334,8 @@ class Arena:
         they fit; a page that does not goes where :meth:`_alloc_packed` says (another tail, a chunk from the pool,
         or its own slot, in place), and the pages after it follow the new destination. Each run of pages that fits
         the destination is placed, and its slots released, at once: nothing between them could take from the pool,
-        so this is the page-at-a-time result at a cost per destination change, not per page."""
+        and so is each run of pages kept in place (:meth:`_kept_in_place`); so this is the page-at-a-time result at
+        a cost per destination change, not per page."""
         out = np.empty(len(pages), dtype=np.int64)
         run_end = np.searchsorted(layers, layers, side="right")  # the end of each page's layer run
         i = 0
@@ -350,16 +351,14 @@ class Arena:
                     self.release(layers[i: i + k], pages[i: i + k])
                     i += k
                     continue
-            # A chunk from the pool is paid back by the slots of the pages it will take (the leading ones of this
-            # call that fit a chunk), if they are in slots (pages just compressed): counting them keeps a cache whose
-            # pool is all promised (a serving load admits until it is) from compressing every page in place, where
-            # it saves nothing. So a call that places more pages at once may pack what smaller ones keep in place.
-            # (Looking at most 4 chunks' slots ahead: fewer counted only makes the rule stricter, and a run of pages
-            # kept in place asks again at each page.)
-            ahead = min(int(run_end[i]), i + 4 * self.slots_per_chunk)
-            fit = int(np.searchsorted(np.cumsum(sizes[i: ahead]), self.chunk_bytes, side="right"))
-            mine = self.offset[layer, pages[i: i + fit]] // self.chunk_bytes
-            off = self._alloc_packed(layer, int(sizes[i]), frees=int((self.kind[mine] == SLOTS).sum()))
+            rest = slice(i, int(run_end[i]))
+            frees = self._paying_back(layer, pages[rest], sizes[rest])
+            kept = self._kept_in_place(layer, sizes[rest], frees)
+            out[i: i + kept] = self.offset[layer, pages[i: i + kept]]
+            i += kept
+            if i == rest.stop:
+                continue
+            off = self._alloc_packed(layer, int(sizes[i]), frees=int(frees[kept]))
             if off is None:
                 off = int(self.offset[layer, pages[i]])  # in place: the slot stays taken, the page is just smaller
             else:
@@ -367,6 +366,34 @@ class Arena:
             out[i] = off
             i += 1
         return out
+
+    def _paying_back(self, layer: int, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """For each of ``layer``'s pages (in placement order), the slots that a chunk taken from the pool for it
+        would pay back: the slots held by it and the pages after it that fit the chunk with it. Counting them keeps a
+        cache whose pool is all promised (a serving load admits until it is) from compressing every page in place,
+        where it saves nothing; so a call that places more pages at once may pack what smaller ones keep in place.
+        (At most 4 chunks' slots ahead: fewer counted only makes the rule stricter.)"""
+        ends = np.cumsum(sizes)
+        n = len(pages)
+        fit_end = np.minimum(np.searchsorted(ends, ends - sizes + self.chunk_bytes, side="right"),
+                             np.arange(n) + 4 * self.slots_per_chunk)
+        held = np.concatenate(([0], np.cumsum(self.kind[self.offset[layer, pages] // self.chunk_bytes] == SLOTS)))
+        return held[fit_end] - held[:n]
+
+    def _kept_in_place(self, layer: int, sizes: np.ndarray, frees: np.ndarray | int, take: bool = True) -> int:
+        """How many leading pages of ``layer`` (compressed to ``sizes``, placed in this order) one call each of
+        :meth:`_alloc_packed` (``frees``, ``take``) would find no room for, each then kept in place: none fits a packed
+        chunk's tail, and the pool cannot spare a chunk. Keeping a page in place changes none of that (its slot stays
+        taken, no chunk moves), so they are found at once, not one Python step each: in a serving load whose pool is
+        promised, most pages of a call can stay so."""
+        room = max((self.chunk_bytes - int(self.used[c]) for c in self.packed_chunks[layer]), default=-1)
+        placed = sizes <= room
+        if take and self.pool:
+            S = self.slots_per_chunk
+            own = max(0, -(-int(self.reserved[layer] - self.free_slot_count[layer]) // S))
+            short = self.reserved[layer] - self.free_slot_count[layer] - frees
+            placed |= self.pool_need() - own + np.maximum(0, -(-short // S)) <= len(self.pool) - 1
+        return int(placed.argmax()) if placed.any() else len(sizes)
 
     # ---- compaction -----------------------------------------------------------------------------------------
     def _pages_in(self, layer: int, c: int) -> np.ndarray:
@@ -441,14 +468,19 @@ class Arena:
         gain = -(-occupied // S) - -(-(occupied - len(small)) // S) >= -(-size // C)
         for pages in per_chunk:
             take = gain or bool((self.nbytes[layer, pages] < self.page_bytes).all())
-            batch = []
-            for p in pages:
-                size = int(self.nbytes[layer, p])
-                if size < self.page_bytes and (off := self._alloc_packed(layer, size, take)) is not None:
+            pages = pages[self.nbytes[layer, pages] < self.page_bytes]
+            batch, i = [], 0
+            while i < len(pages):
+                i += self._kept_in_place(layer, self.nbytes[layer, pages[i:]], 0, take)
+                if i == len(pages):
+                    break
+                p, size = int(pages[i]), int(self.nbytes[layer, pages[i]])
+                if (off := self._alloc_packed(layer, size, take)) is not None:
                     old = int(self.offset[layer, p])
                     self.release(np.array([layer]), np.array([p]))  # one at a time: it may give room to the next
                     self.offset[layer, p], self.nbytes[layer, p] = off, size
-                    batch.append((int(p), old, off, size))
+                    batch.append((p, old, off, size))
+                i += 1
             if batch:
                 yield batch
 
