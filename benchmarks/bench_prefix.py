@@ -36,7 +36,8 @@ totals). Each job also records a per-step trace of its load (``step_trace``: see
 ``ZIPKV_PROFILE_JOB=DIR`` a cProfile of the load's host time into DIR, and with ``ZIPKV_TORCH_PROFILE=DIR`` a
 ``torch.profiler`` table of steps ``ZIPKV_TORCH_PROFILE_STEPS`` (``first:last``, default ``100:140``) of the load into
 DIR: operators and kernels by device time, and the device's busy time against the steps' wall time; with
-``ZIPKV_PROFILE_COMPRESS=DIR`` a cProfile of the load's compression calls alone (their host time). Writes
+``ZIPKV_PROFILE_COMPRESS=DIR`` a cProfile of the load's compression and reclaim calls alone (their host time,
+``compress_ms`` and ``reclaim_ms`` in the step trace). Writes
 bench_prefix.json, bench_prefix.md and bench_prefix.png (if matplotlib is there) into --out.
 """
 
@@ -109,8 +110,8 @@ class StepTrace:
         runner.decode, runner.prefill, runner.read_back = self._traced_decode, self._traced_prefill, self._traced_rb
         self._step = engine.step
         engine.step = self._traced_step
-        self._compress = engine.kv.compress_full_pages
-        engine.kv.compress_full_pages = self._traced_compress
+        self._compress, self._compact = engine.kv.compress_full_pages, engine.kv.compact
+        engine.kv.compress_full_pages, engine.kv.compact = self._traced_compress, self._traced_compact
         self.compress_profile = cProfile.Profile() if os.environ.get("ZIPKV_PROFILE_COMPRESS") else None
         self._cur = None
         self._cuda = engine.device.type == "cuda"
@@ -134,6 +135,16 @@ class StepTrace:
         self._cur["compress_ms"] = (time.perf_counter() - t) * 1e3  # host time: the device may wait for it
         return out
 
+    def _traced_compact(self, *args, **kwargs):
+        t = time.perf_counter()
+        if self.compress_profile is not None:
+            self.compress_profile.enable()
+        out = self._compact(*args, **kwargs)
+        if self.compress_profile is not None:
+            self.compress_profile.disable()
+        self._cur["reclaim_ms"] += (time.perf_counter() - t) * 1e3  # the engine's bounded compaction (reclaim=True)
+        return out
+
     def _traced_rb(self, in_flight):
         t = time.perf_counter()
         out = self._read_back(in_flight)
@@ -143,7 +154,7 @@ class StepTrace:
     def _traced_step(self):
         e = self.engine
         self._cur = {"decode_rows": 0, "prefill_tokens": 0, "wait_ms": 0.0,
-                     "compress_round": False, "compress_ms": 0.0}
+                     "compress_round": False, "compress_ms": 0.0, "reclaim_ms": 0.0}
         shared = e.runner.shared_steps
         if self._cuda:
             self._cur["event"] = torch.cuda.Event(enable_timing=True)
@@ -201,7 +212,7 @@ class StepTrace:
                 r["gpu_ms"] = a.elapsed_time(b) if b is not None else None
         cols = {k: [r.get(k) for r in self.rows] for k in
                 ("wall_ms", "wait_ms", "gpu_ms", "decode_rows", "prefill_tokens", "compress_round", "compress_ms",
-                 "shared_pass")}
+                 "reclaim_ms", "shared_pass")}
 
         def mean(rows, key):
             vals = [r[key] for r in rows if r.get(key) is not None]
@@ -213,7 +224,8 @@ class StepTrace:
             groups[g + ", compression call"] = [r for r in groups[g] if r["compress_round"]]
             groups[g + ", no call"] = [r for r in groups[g] if not r["compress_round"]]
         means = {g: {"steps": len(rows), **{k: mean(rows, k) for k in ("wall_ms", "wait_ms", "gpu_ms", "compress_ms",
-                                                                         "decode_rows", "prefill_tokens")}}
+                                                                         "reclaim_ms", "decode_rows",
+                                                                         "prefill_tokens")}}
                  for g, rows in groups.items()}
         return {"columns": cols, "means": means}
 
@@ -456,8 +468,8 @@ def main() -> None:
                f"{job['largest_batch']} at once, hit rate {job['prefix_hit_rate']:.3f}"), flush=True)
         for group, m in job.get("step_trace", {}).get("means", {}).items():
             print(f"    {group}: {m['steps']} steps" + "".join(
-                f", {k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "compress_ms", "decode_rows",
-                                               "prefill_tokens")
+                f", {k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "compress_ms", "reclaim_ms",
+                                               "decode_rows", "prefill_tokens")
                 if m[k] is not None), flush=True)
     result["bars"] = bars({(j["workload"], j["system"]): j for j in result["jobs"] if "error" not in j})
     result["wall_s"] = time.perf_counter() - start
