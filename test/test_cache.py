@@ -953,20 +953,47 @@ def test_compression_of_all_layers_at_once_equals_page_by_page(monkeypatch):
         check_all(c, kept)
 
 
-def test_pages_kept_in_place_are_skipped_as_one_at_a_time_keeps_them():
-    """Arena.repack and the compactions find a run of compressed pages that stay in place (no packed chunk's tail
-    fits them and the pool cannot spare a chunk, even with the slots they would pay back) at once, not a page at a
-    time. Against the same arena trying one page at a time (the shortcut off), over random states whose pool is all
-    or partly promised, with holes and several layers per call: the same offsets, tables, chunk kinds, pool and free
-    slots after every call and the same moves, with calls that keep some pages in place and pack others."""
+def placed_one_at_a_time(arena: Arena):
+    """Arena._repack_each's rule taken literally: each page in order where ``_alloc_packed`` says, with the slots
+    that a chunk taken for it would pay back (its own and those of the next pages of its layer that fill the chunk
+    with it, at most 4 chunks' slots ahead), else kept in place; the room it leaves released at once."""
+    def place(layers, pages, sizes):
+        out = np.empty(len(pages), dtype=np.int64)
+        for i, (layer, page, size) in enumerate(zip(layers.tolist(), pages.tolist(), sizes.tolist())):
+            frees, total, j = 0, 0, i
+            while (j < len(pages) and layers[j] == layer and j < i + 4 * arena.slots_per_chunk
+                   and total + sizes[j] <= arena.chunk_bytes):
+                total += int(sizes[j])
+                frees += int(arena.kind[arena.offset[layer, pages[j]] // arena.chunk_bytes] == 1)  # in a slot
+                j += 1
+            off = arena._alloc_packed(layer, size, frees=frees)
+            if off is None:
+                off = arena.offset[layer, page]
+            else:
+                arena.release(np.array([layer]), np.array([page]))
+            out[i] = off
+        return out
+    return place
+
+
+def test_placement_in_runs_equals_one_page_at_a_time():
+    """Arena.repack and the compactions place compressed pages in runs: the pages that fit a tail at once, those
+    kept in place (no tail fits them and the pool cannot spare a chunk, even with the slots they would pay back) at
+    once, and the room they leave released only before the pool is asked. Against the same arena placing one page at
+    a time (the rule taken literally), over random states whose pool is all or partly promised, with holes and
+    several layers per call: the same offsets, tables, chunk kinds, pool and free slots after every call and the
+    same moves, with calls that keep some pages in place and pack others, and pages that fill one tail after
+    another."""
     rng = np.random.default_rng(0)
     page_bytes = 4 * fmt.STREAM_ALIGN
-    mixed, skipped = 0, []
+    mixed, skipped, tails = 0, [], []
     for _ in range(60):
         fast, slow = (Arena(3, 300, 14, 4 * page_bytes, page_bytes) for _ in range(2))
         slow._kept_in_place = lambda *a: 0
-        shortcut = fast._kept_in_place
+        slow._repack_each = placed_one_at_a_time(slow)
+        shortcut, tail = fast._kept_in_place, fast._tail
         fast._kept_in_place = lambda *a, f=shortcut: skipped.append(f(*a)) or skipped[-1]
+        fast._tail = lambda *a, f=tail: tails.append(f(*a)) or tails[-1]
         next_page = np.zeros(3, dtype=np.int64)
 
         def same():
@@ -1012,7 +1039,7 @@ def test_pages_kept_in_place_are_skipped_as_one_at_a_time_keeps_them():
                 moves = [list(a.compaction(layer)) for a in (fast, slow)]
             assert moves[0] == moves[1]
             same()
-    assert mixed >= 10 and sum(n > 1 for n in skipped) >= 10
+    assert mixed >= 10 and sum(n > 1 for n in skipped) >= 10 and sum(t >= 0 for t in tails) >= 10
 
 
 def test_compression_without_waiting_starts_two_rounds_at_most_and_leaves_the_rest(monkeypatch):

@@ -71,6 +71,7 @@ class Arena:
         # Per layer.
         self.slot_chunks: list[set[int]] = [set() for _ in range(num_layers)]
         self.packed_chunks: list[set[int]] = [set() for _ in range(num_layers)]
+        self._packed_ids: list[np.ndarray | None] = [None] * num_layers  # packed_chunks as arrays (:meth:`_packed`)
         self.slot_chunk_count = np.zeros(num_layers, dtype=np.int64)
         self.sole_slot_chunk = np.full(num_layers, -1, dtype=np.int64)  # the slot chunk while there is exactly one
         self.dest = np.full(num_layers, -1, dtype=np.int64)  # packed chunk compressed pages go to (-1: none yet)
@@ -139,6 +140,7 @@ class Arena:
             self.free_slot_count[layer] += S
         else:
             self.packed_chunks[layer].add(c)
+            self._packed_ids[layer] = None
         return c
 
     def _give_back(self, c: int) -> None:
@@ -152,6 +154,7 @@ class Arena:
             self.free_slot_count[layer] -= S
         else:
             self.packed_chunks[layer].discard(c)
+            self._packed_ids[layer] = None
             if self.dest[layer] == c:
                 self.dest[layer] = -1
         self.kind[c], self.owner[c], self.live[c], self.used[c] = FREE, -1, 0, 0
@@ -270,6 +273,23 @@ class Arena:
         return slots
 
     # ---- packed runs ----------------------------------------------------------------------------------------
+    def _packed(self, layer: int) -> np.ndarray:
+        """The packed chunks of ``layer``, ascending: an array kept until one is taken or given back (a serving
+        load's layers hold ~100, searched for room at every destination change)."""
+        ids = self._packed_ids[layer]
+        if ids is None:
+            ids = self._packed_ids[layer] = np.array(sorted(self.packed_chunks[layer]), dtype=np.int64)
+        return ids
+
+    def _tail(self, layer: int, size: int) -> int:
+        """The packed chunk of ``layer`` with the most room at its tail (ties: the lowest) if that room holds
+        ``size`` bytes, else -1."""
+        ids = self._packed(layer)
+        if not len(ids):
+            return -1
+        c = int(ids[self.used[ids].argmin()])
+        return c if self.used[c] + size <= self.chunk_bytes else -1
+
     def _alloc_packed(self, layer: int, size: int, take: bool = True, frees: int = 0) -> int | None:
         """Room for ``size`` bytes in a packed chunk of ``layer``: the destination's tail, another packed chunk's
         tail, or (if ``take``) a chunk from the pool if every promise still holds without it once ``frees`` more
@@ -277,13 +297,12 @@ class Arena:
         none."""
         d = int(self.dest[layer])
         if d < 0 or self.used[d] + size > self.chunk_bytes:
-            tails = [c for c in self.packed_chunks[layer] if self.used[c] + size <= self.chunk_bytes]
-            if tails:
-                d = max(tails, key=lambda c: self.chunk_bytes - self.used[c])
-            elif take and self.pool and self._spares_a_chunk(layer, frees):
-                d = self._take_chunk(layer, PACKED)
-            else:
-                return None
+            d = self._tail(layer, size)
+            if d < 0:
+                if take and self.pool and self._spares_a_chunk(layer, frees):
+                    d = self._take_chunk(layer, PACKED)
+                else:
+                    return None
             self.dest[layer] = d
         off = d * self.chunk_bytes + int(self.used[d])
         self.used[d] += size
@@ -333,11 +352,20 @@ class Arena:
         """Pages (layers ascending) placed as if one at a time, in order: into the layer's destination chunk while
         they fit; a page that does not goes where :meth:`_alloc_packed` says (another tail, a chunk from the pool,
         or its own slot, in place), and the pages after it follow the new destination. Each run of pages that fits
-        the destination is placed, and its slots released, at once: nothing between them could take from the pool,
-        and so is each run of pages kept in place (:meth:`_kept_in_place`); so this is the page-at-a-time result at
-        a cost per destination change, not per page."""
+        the destination is placed at once, and so is each run of pages kept in place (:meth:`_kept_in_place`); the
+        room the placed pages leave is released only before the pool is asked for a chunk (it counts there) and at
+        the end, in placement order, as one call: nothing else reads it. So this is the page-at-a-time result at a
+        cost per destination change, not per page (a serving load's pages often fill one tail after another)."""
         out = np.empty(len(pages), dtype=np.int64)
         run_end = np.searchsorted(layers, layers, side="right")  # the end of each page's layer run
+        placed: list[np.ndarray] = []  # indices of pages placed in packed room whose old room is not released yet
+
+        def release_placed() -> None:
+            if placed:
+                at = np.concatenate(placed)
+                self.release(layers[at], pages[at])
+                placed.clear()
+
         i = 0
         while i < len(pages):
             layer, d = int(layers[i]), int(self.dest[layers[i]])
@@ -348,9 +376,14 @@ class Arena:
                     out[i: i + k] = d * self.chunk_bytes + self.used[d] + before[:k] - sizes[i: i + k]
                     self.used[d] += before[k - 1]
                     self.live[d] += before[k - 1]
-                    self.release(layers[i: i + k], pages[i: i + k])
+                    placed.append(np.arange(i, i + k))
                     i += k
                     continue
+            t = self._tail(layer, int(sizes[i]))
+            if t >= 0:  # another chunk's tail takes it: the run goes on there
+                self.dest[layer] = t
+                continue
+            release_placed()  # the pool is asked next: the slots the placed pages leave count there
             rest = slice(i, int(run_end[i]))
             frees = self._paying_back(layer, pages[rest], sizes[rest])
             kept = self._kept_in_place(layer, sizes[rest], frees)
@@ -362,9 +395,10 @@ class Arena:
             if off is None:
                 off = int(self.offset[layer, pages[i]])  # in place: the slot stays taken, the page is just smaller
             else:
-                self.release(layers[i: i + 1], pages[i: i + 1])
+                placed.append(np.array([i]))
             out[i] = off
             i += 1
+        release_placed()
         return out
 
     def _paying_back(self, layer: int, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -386,7 +420,8 @@ class Arena:
         chunk's tail, and the pool cannot spare a chunk. Keeping a page in place changes none of that (its slot stays
         taken, no chunk moves), so they are found at once, not one Python step each: in a serving load whose pool is
         promised, most pages of a call can stay so."""
-        room = max((self.chunk_bytes - int(self.used[c]) for c in self.packed_chunks[layer]), default=-1)
+        ids = self._packed(layer)
+        room = self.chunk_bytes - int(self.used[ids].min()) if len(ids) else -1
         placed = sizes <= room
         if take and self.pool:
             S = self.slots_per_chunk
@@ -435,9 +470,10 @@ class Arena:
         yield from self.drain_slots(layer, slack=1)
         # The sources, sparsest first, while their live bytes fit max_bytes; their pages in that order, placed in one
         # call (one Python step per destination chunk, not per page or per source: a serving load runs this often).
-        cands = sorted((c for c in self.packed_chunks[layer] if c != self.dest[layer] and self.live[c] <= sparse * C),
-                       key=lambda c: (int(self.live[c]), c))
-        cands = np.array(cands, dtype=np.int64)[np.cumsum(self.live[cands]) <= max_bytes] if cands else cands
+        cands = self._packed(layer)
+        cands = cands[(cands != self.dest[layer]) & (self.live[cands] <= sparse * C)]
+        cands = cands[np.lexsort((cands, self.live[cands]))]
+        cands = cands[np.cumsum(self.live[cands]) <= max_bytes]
         if not len(cands):
             return
         rank = np.full(self.num_chunks + 1, -1, dtype=np.int64)  # a source's place in the order; -1: not a source
