@@ -124,25 +124,25 @@ class StepTrace:
         self._cur["prefill_tokens"] += sum(n for _, _, n in chunks)
         return self._prefill(chunks)
 
+    def _host_ms(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) and its host time (ms; the device may wait for it), inside the compression profile
+        if one is kept."""
+        t = time.perf_counter()
+        if self.compress_profile is not None:
+            self.compress_profile.enable()
+        out = fn(*args, **kwargs)
+        if self.compress_profile is not None:
+            self.compress_profile.disable()
+        return out, (time.perf_counter() - t) * 1e3
+
     def _traced_compress(self, *args, **kwargs):
         self._cur["compress_round"] = True
-        t = time.perf_counter()
-        if self.compress_profile is not None:
-            self.compress_profile.enable()
-        out = self._compress(*args, **kwargs)
-        if self.compress_profile is not None:
-            self.compress_profile.disable()
-        self._cur["compress_ms"] = (time.perf_counter() - t) * 1e3  # host time: the device may wait for it
+        out, self._cur["compress_ms"] = self._host_ms(self._compress, *args, **kwargs)
         return out
 
-    def _traced_compact(self, *args, **kwargs):
-        t = time.perf_counter()
-        if self.compress_profile is not None:
-            self.compress_profile.enable()
-        out = self._compact(*args, **kwargs)
-        if self.compress_profile is not None:
-            self.compress_profile.disable()
-        self._cur["reclaim_ms"] += (time.perf_counter() - t) * 1e3  # the engine's bounded compaction (reclaim=True)
+    def _traced_compact(self, *args, **kwargs):  # the engine's bounded compaction (reclaim=True)
+        out, ms = self._host_ms(self._compact, *args, **kwargs)
+        self._cur["reclaim_ms"] += ms
         return out
 
     def _traced_rb(self, in_flight):
