@@ -103,9 +103,15 @@ class Arena:
         extra[layers] = short * pages
         return self.pool_need(extra) <= len(self.pool)
 
+    def _layer_need(self, layer: int, frees: np.ndarray | int = 0) -> np.ndarray:
+        """Chunks the pool must supply to keep ``layer``'s promises once ``frees`` more of its slots are free
+        (elementwise): its term of :meth:`pool_need`."""
+        short = self.reserved[layer] - self.free_slot_count[layer] - frees
+        return np.maximum(0, -(-short // self.slots_per_chunk))
+
     def spare_pages(self, layer: int) -> int:
         """The most raw pages ``layer`` can take beyond its promises (the largest n with ``fits([layer], n)``)."""
-        own = max(0, -(-int(self.reserved[layer] - self.free_slot_count[layer]) // self.slots_per_chunk))
+        own = int(self._layer_need(layer))
         chunks = len(self.pool) - (self.pool_need() - own)  # pool chunks the other layers' promises leave
         return max(0, int(self.free_slot_count[layer]) + chunks * self.slots_per_chunk - int(self.reserved[layer]))
 
@@ -309,14 +315,11 @@ class Arena:
         self.live[d] += size
         return off
 
-    def _spares_a_chunk(self, layer: int, frees: int) -> bool:
+    def _spares_a_chunk(self, layer: int, frees: np.ndarray | int) -> np.ndarray:
         """Whether the pool can give a chunk and still keep every promise once ``frees`` more slots of ``layer`` are
-        free."""
-        free = self.free_slot_count
-        if frees:
-            free = free.copy()
-            free[layer] += frees
-        return self.pool_need(free_slots=free) <= len(self.pool) - 1
+        free (elementwise)."""
+        others = self.pool_need() - self._layer_need(layer)
+        return others + self._layer_need(layer, frees) <= len(self.pool) - 1
 
     def repack(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Raw pages ``(layers[i], pages[i])`` (layers ascending) now compressed to ``sizes[i]`` bytes, in this order:
@@ -424,10 +427,7 @@ class Arena:
         room = self.chunk_bytes - int(self.used[ids].min()) if len(ids) else -1
         placed = sizes <= room
         if take and self.pool:
-            S = self.slots_per_chunk
-            own = max(0, -(-int(self.reserved[layer] - self.free_slot_count[layer]) // S))
-            short = self.reserved[layer] - self.free_slot_count[layer] - frees
-            placed |= self.pool_need() - own + np.maximum(0, -(-short // S)) <= len(self.pool) - 1
+            placed |= self._spares_a_chunk(layer, frees)
         return int(placed.argmax()) if placed.any() else len(sizes)
 
     # ---- compaction -----------------------------------------------------------------------------------------
