@@ -982,8 +982,8 @@ def test_placement_in_runs_equals_one_page_at_a_time():
     once, and the room they leave released only before the pool is asked. Against the same arena placing one page at
     a time (the rule taken literally), over random states whose pool is all or partly promised, with holes and
     several layers per call: the same offsets, tables, chunk kinds, pool and free slots after every call and the
-    same moves, with calls that keep some pages in place and pack others, and pages that fill one tail after
-    another."""
+    same moves, with calls that keep some pages in place and pack others, and destinations that close on a page
+    that does not fit them for an open tail (one that holds any page; crumbs are never destinations)."""
     rng = np.random.default_rng(0)
     page_bytes = 4 * fmt.STREAM_ALIGN
     mixed, skipped, tails = 0, [], []
@@ -991,9 +991,9 @@ def test_placement_in_runs_equals_one_page_at_a_time():
         fast, slow = (Arena(3, 300, 14, 4 * page_bytes, page_bytes) for _ in range(2))
         slow._kept_in_place = lambda *a: 0
         slow._repack_each = placed_one_at_a_time(slow)
-        shortcut, tail = fast._kept_in_place, fast._tail
+        shortcut, tail = fast._kept_in_place, fast._open_tail
         fast._kept_in_place = lambda *a, f=shortcut: skipped.append(f(*a)) or skipped[-1]
-        fast._tail = lambda *a, f=tail: tails.append(f(*a)) or tails[-1]
+        fast._open_tail = lambda *a, f=tail: tails.append(f(*a)) or tails[-1]
         next_page = np.zeros(3, dtype=np.int64)
 
         def same():

@@ -12,7 +12,9 @@ chunk is one of two kinds:
   since they must accept writes in place; equal sizes make a freed slot reusable at once. A full page whose
   compression finds no packed room is compressed inside its own slot ("in place") and keeps the slot.
 - a **packed** chunk: compressed pages appended back to back at a bump pointer (``used``). The layer appends into one
-  destination chunk at a time. Freed pages leave holes that only compaction reclaims.
+  destination chunk at a time; when a page does not fit, the destination closes and the next is a tail that holds
+  any page, or a chunk from the pool. The room a closed chunk keeps at its end (a crumb, less than a page) and the
+  holes freed pages leave are reclaimed by compaction only.
 
 Promises. ``reserved[layer]`` raw pages of that layer are promised to running sequences (the cache charges every
 sequence its token budget at raw size). The pool must be able to keep every promise at once:
@@ -287,27 +289,31 @@ class Arena:
             ids = self._packed_ids[layer] = np.array(sorted(self.packed_chunks[layer]), dtype=np.int64)
         return ids
 
-    def _tail(self, layer: int, size: int) -> int:
-        """The packed chunk of ``layer`` with the most room at its tail (ties: the lowest) if that room holds
-        ``size`` bytes, else -1."""
+    def _open_tail(self, layer: int) -> int:
+        """The packed chunk of ``layer`` with the most room at its tail (ties: the lowest) if that room holds a raw
+        page (so any page), else -1. Less room is a crumb that no page is sent to: each packed chunk ends in one
+        (the room a page did not fit), and filling a layer's ~100 crumbs one page each cost a Python step a page for
+        ~1% of a chunk; compaction, not placement, reclaims it."""
         ids = self._packed(layer)
         if not len(ids):
             return -1
         c = int(ids[self.used[ids].argmin()])
-        return c if self.used[c] + size <= self.chunk_bytes else -1
+        return c if self.used[c] + self.page_bytes <= self.chunk_bytes else -1
 
     def _alloc_packed(self, layer: int, size: int, take: bool = True, frees: int = 0) -> int | None:
-        """Room for ``size`` bytes in a packed chunk of ``layer``: the destination's tail, another packed chunk's
-        tail, or (if ``take``) a chunk from the pool if every promise still holds without it once ``frees`` more
-        slots of ``layer`` are free (the slots of the pages the caller is about to put in that chunk). None if
-        none."""
+        """Room for ``size`` bytes in a packed chunk of ``layer``: the destination's tail if it fits, else (the
+        destination closes: its room, less than a page, is a crumb) the open tail with the most room
+        (:meth:`_open_tail`), or (if ``take``) a chunk from the pool if every promise still holds without it once
+        ``frees`` more slots of ``layer`` are free (the slots of the pages the caller is about to put in that
+        chunk); what it finds becomes the destination. None if none (no destination then)."""
         d = int(self.dest[layer])
         if d < 0 or self.used[d] + size > self.chunk_bytes:
-            d = self._tail(layer, size)
+            d = self._open_tail(layer)
             if d < 0:
                 if take and self.pool and self._spares_a_chunk(layer, frees):
                     d = self._take_chunk(layer, PACKED)
                 else:
+                    self.dest[layer] = -1
                     return None
             self.dest[layer] = d
         off = d * self.chunk_bytes + int(self.used[d])
@@ -353,12 +359,13 @@ class Arena:
 
     def _repack_each(self, layers: np.ndarray, pages: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Pages (layers ascending) placed as if one at a time, in order: into the layer's destination chunk while
-        they fit; a page that does not goes where :meth:`_alloc_packed` says (another tail, a chunk from the pool,
+        they fit; a page that does not goes where :meth:`_alloc_packed` says (an open tail, a chunk from the pool,
         or its own slot, in place), and the pages after it follow the new destination. Each run of pages that fits
         the destination is placed at once, and so is each run of pages kept in place (:meth:`_kept_in_place`); the
         room the placed pages leave is released only before the pool is asked for a chunk (it counts there) and at
         the end, in placement order, as one call: nothing else reads it. So this is the page-at-a-time result at a
-        cost per destination change, not per page (a serving load's pages often fill one tail after another)."""
+        cost per destination change, not per page: a destination takes a page at least (an open tail holds any
+        page), and crumbs, never destinations, cannot make each page a change of its own."""
         out = np.empty(len(pages), dtype=np.int64)
         run_end = np.searchsorted(layers, layers, side="right")  # the end of each page's layer run
         placed: list[np.ndarray] = []  # indices of pages placed in packed room whose old room is not released yet
@@ -382,9 +389,9 @@ class Arena:
                     placed.append(np.arange(i, i + k))
                     i += k
                     continue
-            t = self._tail(layer, int(sizes[i]))
-            if t >= 0:  # another chunk's tail takes it: the run goes on there
-                self.dest[layer] = t
+            t = self._open_tail(layer)  # the destination closes; an open tail takes the page and the run goes on
+            self.dest[layer] = t
+            if t >= 0:
                 continue
             release_placed()  # the pool is asked next: the slots the placed pages leave count there
             rest = slice(i, int(run_end[i]))
@@ -419,15 +426,21 @@ class Arena:
 
     def _kept_in_place(self, layer: int, sizes: np.ndarray, frees: np.ndarray | int, take: bool = True) -> int:
         """How many leading pages of ``layer`` (compressed to ``sizes``, placed in this order) one call each of
-        :meth:`_alloc_packed` (``frees``, ``take``) would find no room for, each then kept in place: none fits a packed
-        chunk's tail, and the pool cannot spare a chunk. Keeping a page in place changes none of that (its slot stays
-        taken, no chunk moves), so they are found at once, not one Python step each: in a serving load whose pool is
-        promised, most pages of a call can stay so."""
-        ids = self._packed(layer)
-        room = self.chunk_bytes - int(self.used[ids].min()) if len(ids) else -1
-        placed = sizes <= room
-        if take and self.pool:
-            placed |= self._spares_a_chunk(layer, frees)
+        :meth:`_alloc_packed` (``frees``, ``take``) would find no room for, each then kept in place: the first does
+        not fit the destination (which then closes, as that call would close it), no tail is open, and the pool
+        cannot spare a chunk. Keeping a page in place changes none of that (its slot stays taken, no chunk moves),
+        so they are found at once, not one Python step each: in a serving load whose pool is promised, most pages
+        of a call can stay so."""
+        d = int(self.dest[layer])
+        if d >= 0:
+            if self.used[d] + sizes[0] <= self.chunk_bytes:
+                return 0
+            self.dest[layer] = -1
+        if self._open_tail(layer) >= 0:
+            return 0
+        if not (take and self.pool):
+            return len(sizes)
+        placed = np.broadcast_to(self._spares_a_chunk(layer, frees), sizes.shape)
         return int(placed.argmax()) if placed.any() else len(sizes)
 
     # ---- compaction -----------------------------------------------------------------------------------------
@@ -457,7 +470,7 @@ class Arena:
         """A bounded compaction of ``layer``, for a cache whose pages come and go: pages compressed in place move to
         packed room where that frees slot chunks (as in :meth:`compaction`), slot chunks drain to one spare, and the
         packed chunks with at most ``sparse`` of their bytes live, sparsest first (never the destination), move
-        their pages into packed room elsewhere (the destination's tail, another tail, or a chunk from the pool
+        their pages into packed room elsewhere (the destination's tail, an open tail, or a chunk from the pool
         while every promise holds, as compressed pages are placed) and go back to the pool, moving at most
         ``max_bytes`` of them. Freed pages leave holes in packed chunks that nothing else reclaims: in a serving load
         without this, a fifth of the packed bytes were holes that new requests could not use. A source some of whose

@@ -83,6 +83,12 @@
 #                     zipkv+cache 4738 tok/s; the compression and reclaim calls still 18-51 ms of host time)
 #   call 29 (the same tree): run35.sh (tests skipped, 384 requests) -> bench_prefix_compress_profile_868a36d.json,
 #                     profile_compress_reclaim_868a36d.txt (cProfile of those calls: 29k releases, 11k tail searches)
+#   night (22:19-22:28 UTC), kind left out, an H100 80GB HBM3 came at the first try; one machine, warm from call 30 to 31:
+#   call 30 (47b80fc: 5c3f951's placement by array, deferred releases): COMMIT=47b80fc bash run34.sh ->
+#                     bench_prefix_saturating_47b80fc.json (zipkv+cache+reclaim 4919, raw+cache 5504, zipkv+cache 5428
+#                     tok/s; the calls 11.8 and 20.5 ms of host time in decode-only steps)
+#   call 31 (the same tree): COMMIT=47b80fc bash run35.sh -> bench_prefix_compress_profile_47b80fc.json,
+#                     profile_compress_reclaim_47b80fc.txt (still 11.5k pool asks in 684 placements: crumbs)
 # ---- .box/run1.sh
 # build; bench_shared_decode (the cascade pass, never run on a GPU); the GPU tests never run there (shared-prefix in
 # CUDA Graphs, not-causal prefill) and the rest of the GPU test files after the cache refactor.
