@@ -471,18 +471,26 @@ def main() -> None:
                 f", {k} {m[k]:.1f}" for k in ("wall_ms", "wait_ms", "gpu_ms", "compress_ms", "reclaim_ms",
                                                "decode_rows", "prefill_tokens")
                 if m[k] is not None), flush=True)
-    result["bars"] = bars({(j["workload"], j["system"]): j for j in result["jobs"] if "error" not in j})
-    result["wall_s"] = time.perf_counter() - start
+        save(result, args.out, start)
+    save(result, args.out, start)
     print("\n" + markdown(result))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_prefix.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
         (args.out / "bench_prefix.md").write_text(markdown(result))
         try:
             plot(result, args.out / "bench_prefix.png")
         except Exception as e:  # the JSON is the result; a missing matplotlib must not lose it
             print(f"bench_prefix: no plot ({type(e).__name__}: {e})")
         print(f"bench_prefix: wrote {args.out / 'bench_prefix.json'} in {result['wall_s']:.0f} s")
+
+
+def save(result: dict, out: pathlib.Path | None, start: float) -> None:
+    """The bars of the jobs so far and the wall time into ``result``, and ``result`` into ``out``/bench_prefix.json:
+    after every job, so that a run stopped from outside (a device's time limit) keeps the jobs it finished."""
+    result["bars"] = bars({(j["workload"], j["system"]): j for j in result["jobs"] if "error" not in j})
+    result["wall_s"] = time.perf_counter() - start
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_prefix.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
 
 
 if __name__ == "__main__":
