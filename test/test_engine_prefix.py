@@ -87,6 +87,12 @@ def shared_prefix_arrivals(rng: random.Random, requests: int, new_tokens: int) -
             for i, p in enumerate(prompts)]
 
 
+# A request's first token comes from a prefill over cached pages (paged_prefill, fp32 sums page by page) where the
+# reference runs one eager forward: on the GPU box's torch 2.11 one of these requests parted from it at a margin of
+# two bf16 steps (0.0078 at 0.84, its first token; within one on CI's torch).
+PREFIX_ULPS = 2
+
+
 @pytest.mark.parametrize("chunk, compile", [(16, False), (512, False), (16, True)])
 def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile, monkeypatch):
     """Requests over a 100-token prompt prefix (6 whole pages) that all hold it at once: decode steps attend to its
@@ -101,7 +107,7 @@ def test_decode_attends_to_a_shared_prefix_once(llama, chunk, compile, monkeypat
         stats = eng.stats()
         assert (stats["shared_prefix_steps"] > 0) == caching, stats
         for o in outs.values():
-            ref.check(o[-1].prompt_token_ids, o[-1].token_ids, ulps=COMPILED_ULPS if compile else 1)
+            ref.check(o[-1].prompt_token_ids, o[-1].token_ids, ulps=COMPILED_ULPS if compile else PREFIX_ULPS)
 
 
 def test_compiled_shared_prefix_pass_never_recompiles(llama, monkeypatch):
