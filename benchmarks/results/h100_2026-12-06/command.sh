@@ -89,7 +89,8 @@
 #                     tok/s; the calls 11.8 and 20.5 ms of host time in decode-only steps)
 #   call 31 (the same tree): COMMIT=47b80fc bash run35.sh -> bench_prefix_compress_profile_47b80fc.json,
 #                     profile_compress_reclaim_47b80fc.txt (still 11.5k pool asks in 684 placements: crumbs)
-#   eight later calls found no machine (23:00-23:28 UTC); then, kind nvidia-h100-x1, an H100 with 333 s of budget left:
+#   ten later calls got no machine (seven failed starts, 22:35-23:28 UTC); then, kind nvidia-h100-x1, an H100 with
+#   333 s of the budget left:
 #   call 32 (a1907b7: the crumb rule): COMMIT=a1907b7 LIMIT=325 REQUESTS=768 bash run37.sh -> nothing: the device's
 #                     limit stopped it before bench_prefix wrote its JSON (written once, at the end; now after each job)
 # ---- .box/run1.sh
