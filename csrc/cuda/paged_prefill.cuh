@@ -57,10 +57,14 @@ constexpr int kComputeWarps = 8;
 // 168 (three of them on one scheduler's register file).
 constexpr int kProducerWarps = 4;
 constexpr int kWarps = kComputeWarps + kProducerWarps;  // as prefill_plan reports them
-constexpr int kComputeRegs = 216, kProducerRegs = 80;
-static_assert(kComputeWarps * 32 * kComputeRegs + 32 * kProducerWarps * kProducerRegs <= 65536,
-              "the register file holds both budgets");
 constexpr int kThreads = 32 * kWarps;
+// setmaxnreg moves registers within what the CTA was given at launch (__launch_bounds__: 65536 / kThreads a thread,
+// rounded down to 8), not the whole register file: a compute warp asking for more than the producer gave back
+// waits forever.
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kComputeRegs = 216, kProducerRegs = 72;
+static_assert(kComputeWarps * kComputeRegs + kProducerWarps * kProducerRegs <= kWarps * kLaunchRegs,
+              "the registers the producer gives back cover what the compute warps take");
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
 constexpr int kMaxBlocks = 32;             // blocks of a chunk at most: one per planning lane
 constexpr int kProducerBarrier = 1;        // the named barrier of the producer's warpgroup (0 is __syncthreads)
