@@ -12,8 +12,10 @@
 #   01:40-01:55 UTC: two more calls got no machine; then 251 s of the budget were left, too little to start one, so
 #                     f2af5c9 was never run, and main reverts both commits (580b41a) so that its GPU path stays the
 #                     one measured and tested. To measure it: `git revert 580b41a`, then (about 4 min on an H100)
-#                     COMMIT=<hash> LIMIT=345 bash run40.sh -> tests/prefill.log, bench_prefill.json; then run39.sh's
-#                     probes and the engine tests.
+#                     COMMIT=<hash> LIMIT=345 bash run40.sh -> tests/prefill.log, bench_prefill.json; or all in one
+#                     call (about 6 min): run41.sh, which also times unsigned.patch (below: the producer's address
+#                     arithmetic unsigned, its rebuild loop 444 -> 356 SASS lines at d 128, no spills) and the two
+#                     probe builds; then the engine tests.
 # ---- .box/run39.sh
 # Producer warpgroup + mbarrier ring (91402de): CUDA prefill tests, bench_prefill --quick with FlashInfer, then probe
 # builds (.box/probe.patch: 1 = the producer rebuilds nothing, 2 = the compute warps multiply nothing), then the
@@ -56,6 +58,65 @@ timeout 80 python3 -m pytest test/test_paged_prefill_cuda.py -q -x -p no:cachepr
 echo "prefill tests rc=${PIPESTATUS[0]} at $SECONDS s"
 timeout $((${LIMIT:-380} - SECONDS)) python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
+# ---- .box/run41.sh (not yet run)
+# One call for the producer-warpgroup kernel (main with 580b41a reverted): a CUDA prefill test subset, bench_prefill
+# --quick with FlashInfer; then the same tree + unsigned.patch (zipkv only, probe_prefill.py); then the probe builds
+# (probe.patch: 1 = the producer rebuilds nothing, 2 = the compute warps multiply nothing). About 6 min on an H100.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/tests"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2 ZIPKV_COMMIT=$COMMIT
+rm -rf build torch_zipkv/_C*.so; bash .box/box.sh build >/dev/null || { tail -60 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+echo "built at $SECONDS s"
+timeout 80 python3 -m pytest test/test_paged_prefill_cuda.py -q -x -p no:cacheprovider -n 8 -rfE \
+  -k "mixed_pages or long_queries or real_kv or bad_device or larger_pages" 2>&1 \
+  | tee "$OUT/tests/prefill.log" | grep -v "Warn\|warn" | tail -8
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "prefill tests failed at $SECONDS s"; exit 1; }
+echo "prefill tests passed at $SECONDS s"
+timeout 150 python3 benchmarks/bench_prefill.py --out "$OUT" --quick 2>&1 | tee "$OUT/bench_prefill.log" | grep -v "Warn\|warn" | tail -6
+echo "bench at $SECONDS s"
+for variant in unsigned probe1 probe2; do
+  git checkout -q csrc/cuda/paged_prefill.cuh
+  case $variant in
+    unsigned) git apply .box/unsigned.patch; flags="" ;;
+    probe*) git apply .box/probe.patch; flags="-DZIPKV_PREFILL_PROBE=${variant#probe}" ;;
+  esac
+  touch csrc/cuda/paged_prefill.cuh
+  NVCC_APPEND_FLAGS="$flags" bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; break; }
+  timeout 60 python3 .box/probe_prefill.py $variant "$OUT/$variant.json" 2>&1 | grep "^$variant"
+  echo "$variant at $SECONDS s"
+done
+git checkout -q csrc/cuda/paged_prefill.cuh
+# ---- .box/unsigned.patch (git apply, on main with 580b41a reverted)
+# diff --git a/csrc/cuda/paged_prefill.cuh b/csrc/cuda/paged_prefill.cuh
+# index cb7dfd2..1140699 100644
+# --- a/csrc/cuda/paged_prefill.cuh
+# +++ b/csrc/cuda/paged_prefill.cuh
+# @@ -177,8 +177,9 @@ __device__ __forceinline__ float tanh_approx(float x) {
+#  // by the row (wgmma.cuh); else rows of kStride.
+#  template <int D, int kTileRows = Cfg<D>::kKV>
+#  __device__ __forceinline__ int tile_offset(int token, int dim) {
+# -  if constexpr (Cfg<D>::kWgmma) {
+# -    return (dim / 64) * (kTileRows * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+# +  if constexpr (Cfg<D>::kWgmma) {  // unsigned: the divisions are shifts, with no fix-up for a sign
+# +    const unsigned t = token, d = dim;
+# +    return static_cast<int>((d / 64) * (kTileRows * 64) + t * 64 + (((d % 64) / 8) ^ (t % 8)) * 8);
+#    } else {
+#      return token * Cfg<D>::kStride + dim;
+#    }
+# @@ -199,8 +200,10 @@ __device__ __forceinline__ void store_block(uint16_t* tile, int is_v, int lane,
+#  template <int D>
+#  struct BlockOf {
+#    int tile, is_v, span;
+# -  __device__ __forceinline__ explicit BlockOf(int j)
+# -      : tile(j / (2 * Cfg<D>::kSpans)), is_v((j / Cfg<D>::kSpans) % 2), span(j % Cfg<D>::kSpans) {}
+# +  __device__ __forceinline__ explicit BlockOf(int j)  // j >= 0: unsigned, so that each division is a shift
+# +      : tile(static_cast<int>(static_cast<unsigned>(j) / (2 * Cfg<D>::kSpans))),
+# +        is_v(static_cast<int>(static_cast<unsigned>(j) / Cfg<D>::kSpans % 2)),
+# +        span(static_cast<int>(static_cast<unsigned>(j) % Cfg<D>::kSpans)) {}
+#  };
+#  
+#  // The page id of block j of the chunk at c0, loaded ahead of its plan; -1 past the CTA's keys [.., hi).
 # ---- .box/probe_prefill.py
 # 512 x 8K at batch 1 and 8, zipkv only (real-like and raw pages), for probe builds: prints one line per case.
 import sys, json, torch
