@@ -37,6 +37,11 @@
 // inconsistent page-table entry (indptr, last_page_len, qo_indptr, q_len > kv_len) turn the request's rows of out
 // and lse into NaN; no byte outside data is read.
 #pragma once
+// Probe builds (-DZIPKV_PREFILL_PROBE=1: the producer rebuilds nothing; 2: the compute warps multiply nothing) time
+// each side of the pipeline alone; their outputs are not attention.
+#ifndef ZIPKV_PREFILL_PROBE
+#define ZIPKV_PREFILL_PROBE 0
+#endif
 
 #include <cuda_bf16.h>
 
@@ -691,8 +696,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       if (ci >= kB) mbar_wait(empty_bar(ci), (ci / kB - 1) & 1);  // and the compute warps are done with chunk ci - kB
       const uint8_t* stage = stages + ci % kS * C::kStageBytes;
       const uint8_t* descs = desc_ring + ci % kRing * C::kDescBytes;
+#if ZIPKV_PREFILL_PROBE != 1
       refused |= rebuild_warp_blocks<D>(pw, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
                                         offsets, lane);
+#endif
       if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma
       issue_chunk(ci + kS);                               // into the staging chunk ci left
       // Every producer warp's blocks of chunk ci rebuilt (and the plans of chunk ci + kLead published): chunk ci is
@@ -757,25 +764,29 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
     fence_registers(s_cur);
-    for (int ci = 0; ci < chunks; ++ci) {
-      if (ci + 1 < chunks) wait_full(ci + 1);
-      start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
-      const int64_t c0 = chunk_key(ci);
-      int rel_pos[2];
-      const int kv_rem = relative(c0, rel_pos);
-      const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
-      attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
-      wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
-      fence_registers(o);
-      fence_registers(s_next);
-      fence_registers(pa);
-      release(ci);
+#if ZIPKV_PREFILL_PROBE == 2
+    for (int ci = 0; ci < chunks; ++ci) wait_full(ci), release(ci);
+    if (chunks < 0)
+#endif
+      for (int ci = 0; ci < chunks; ++ci) {
+        if (ci + 1 < chunks) wait_full(ci + 1);
+        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
+        const int64_t c0 = chunk_key(ci);
+        int rel_pos[2];
+        const int kv_rem = relative(c0, rel_pos);
+        const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
+        attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+        wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
+        fence_registers(o);
+        fence_registers(s_next);
+        fence_registers(pa);
+        release(ci);
 #pragma unroll
-      for (int n = 0; n < C::kKV / 8; ++n) {
+        for (int n = 0; n < C::kKV / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
+          for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
+        }
       }
-    }
   } else {
     for (int ci = 0; ci < chunks; ++ci) {
       wait_full(ci);
