@@ -224,17 +224,6 @@ ZIPKV_HD int block_offset(const uint8_t* desc, int i) {
   return off;
 }
 
-// Descriptor bytes four at a time (one meta row word), for readers that count a stream's blocks without a loop
-// over them. Bytes of x that are invalid descriptors (0xF9..0xFF: low 7 bits + 7 reach bit 7) keep their top bit; the
-// rest are 0.
-static_assert(kDescLast == 0xF8, "invalid_desc_bytes tests for 0xF9..0xFF");
-ZIPKV_HD uint32_t invalid_desc_bytes(uint32_t x) { return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x07070707u); }
-// Bytes of x that are kDescRaw (0x80) keep their top bit; the rest are 0 (an exact zero-byte test of x ^ 0x80...).
-ZIPKV_HD uint32_t raw_desc_bytes(uint32_t x) {
-  const uint32_t y = x ^ 0x80808080u;
-  return ~(((y & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | y) & 0x80808080u;
-}
-
 // Meta row status, shared so CPU kernels can raise and CUDA kernels can refuse to touch a bad row.
 enum StreamStatus : int {
   kStreamOk = 0,

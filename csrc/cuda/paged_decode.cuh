@@ -49,7 +49,6 @@
 
 #include "../format.h"
 #include "block_io.cuh"
-#include "mbarrier.cuh"
 #include "request_search.cuh"
 #include "softmax.cuh"
 
@@ -116,6 +115,26 @@ struct Cfg {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrives on bar (its only arrival per phase) announcing `bytes` of bulk copies that will complete on it.
+__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
 // global -> shared bulk copy (16-byte aligned, size a multiple of 16) completing on bar.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -139,6 +158,19 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
+}
+
+// Bytes of x that are invalid descriptors (0xF9..0xFF: low 7 bits + 7 reach bit 7) keep their top bit; the rest
+// are 0.
+static_assert(kDescLast == 0xF8, "invalid_desc_bytes tests for 0xF9..0xFF");
+__device__ __forceinline__ uint32_t invalid_desc_bytes(uint32_t x) {
+  return x & 0x80808080u & ((x & 0x7F7F7F7Fu) + 0x07070707u);
+}
+
+// Bytes of x that are kDescRaw (0x80) keep their top bit; the rest are 0 (an exact zero-byte test of x ^ 0x80...).
+__device__ __forceinline__ uint32_t raw_desc_bytes(uint32_t x) {
+  const uint32_t y = x ^ 0x80808080u;
+  return ~(((y & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | y) & 0x80808080u;
 }
 
 // ---------------------------------------------------------------------------------------------- block rebuild

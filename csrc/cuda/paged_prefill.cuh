@@ -12,20 +12,17 @@
 // by a scan of qo_indptr and CTAs past the last tile exit. So the op never syncs and a CUDA Graph replays it with any
 // q lengths of the same nnz_q.
 //
-// A pipeline over chunks of kKV key tokens (a whole number of 16-token tiles) with two roles, which meet only at
-// mbarriers on a ring of BF16 K/V tiles (FlashAttention-3's producer and consumers, the producer rebuilding where FA3's
-// issues TMA). The producer, a warpgroup of its own that gives registers to the MMA warps by setmaxnreg: its first
-// warp's lane j plans block j of a chunk (page id, meta row, descriptor, offset: the waiting on the page table and meta
-// rows) a few chunks ahead; each of its four warps copies its share of a chunk's blocks (cp.async, still compressed)
-// kStages chunks ahead into a staging ring, rebuilds them when they have landed into the chunk's K/V tiles
-// (block_io.cuh decode_lane: the lane's words in mma A-operand order; stmatrix puts them in natural [token][dim]
-// order) once the consumers have released the tiles, and the chunk is announced on its `full` barrier. The consumers,
-// 8 compute warps, only multiply: each chunk's tiles waited for on `full`, released on `empty`. So the rebuild's ALU
-// work runs beside the MMAs and the softmax instead of in turn with them. (One warp starting every copy, 32 blocks a
-// chunk one after another, was the bound at 3.5 us a chunk; the compute warps copying and rebuilding for themselves
-// between one __syncthreads a chunk left the tensor cores idle through the rebuild: docs/performance.md, "Prefill
-// attention".) At head_dim 128 (wgmma) S of chunk i + 1 runs on the tensor cores under chunk i's softmax. S = Q K^T and
-// O += P V
+// A pipeline over chunks of kKV key tokens (a whole number of 16-token tiles), one __syncthreads a chunk. A planner
+// warp (the first of a fourth warpgroup, which gives its registers to the compute warps by setmaxnreg) does the
+// waiting on the page table and meta rows: lane j plans block j of a chunk (page id, meta row, descriptor, offset) and
+// publishes the plan in shared memory ahead of its copy. Each compute warp copies its own blocks of a chunk (cp.async,
+// still compressed) kStages chunks ahead into a ring of staging buffers, and rebuilds the same blocks when they have
+// landed, kAhead chunks ahead of their multiply, into BF16 K/V tiles (block_io.cuh decode_lane: the lane's words in
+// mma A-operand order; stmatrix puts them in natural [token][dim] order). At head_dim 128 (wgmma) three tiles turn:
+// while chunk i's softmax runs on the SM's ALUs, S of chunk i + 1 runs on the tensor cores, and P V of chunk i under
+// the rebuild of chunk i + 2. (A single warp starting every copy, 32 blocks a chunk one after another, was the bound
+// at 3.5 us a chunk; with the copies, plans and rebuild of each chunk waited on in turn by the same 4 warps, three
+// barriers a chunk, the kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".) S = Q K^T and O += P V
 // follow FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q, K and V read by
 // descriptor from swizzled tiles, once per warpgroup of 64 rows), P from S's accumulators in registers, an
 // online softmax in float32 (base 2) per row, O rescaled only when a row's maximum rises by more than 2^8; the
@@ -37,11 +34,6 @@
 // inconsistent page-table entry (indptr, last_page_len, qo_indptr, q_len > kv_len) turn the request's rows of out
 // and lse into NaN; no byte outside data is read.
 #pragma once
-// Probe builds (-DZIPKV_PREFILL_PROBE=1: the producer rebuilds nothing; 2: the compute warps multiply nothing) time
-// each side of the pipeline alone; their outputs are not attention.
-#ifndef ZIPKV_PREFILL_PROBE
-#define ZIPKV_PREFILL_PROBE 0
-#endif
 
 #include <cuda_bf16.h>
 
@@ -49,7 +41,6 @@
 
 #include "../format.h"
 #include "block_io.cuh"
-#include "mbarrier.cuh"
 #include "request_search.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
@@ -57,22 +48,17 @@
 namespace zipkv::cuda::prefill {
 
 constexpr int kComputeWarps = 8;
-// The producer is the warpgroup after the compute warps: register budgets are moved between whole warpgroups
-// (setmaxnreg), from the producer's to the compute warps', which get kComputeRegs a thread where 12 warps at launch get
-// 168 (three of them on one scheduler's register file).
-constexpr int kProducerWarps = 4;
-constexpr int kWarps = kComputeWarps + kProducerWarps;  // as prefill_plan reports them
+constexpr int kPlanner = kComputeWarps;  // the warp index of the planner
+// The planner's warp is the first of a warpgroup of its own (its other three warps only keep the barriers): register
+// budgets are moved between whole warpgroups (setmaxnreg), from the planner's to the compute warps', which get
+// kComputeRegs a thread where 12 warps at launch get 168 (three of them on one scheduler's register file).
+constexpr int kWarps = kComputeWarps + 4;  // as prefill_plan reports them
+constexpr int kComputeRegs = 224, kPlannerRegs = 56;
+static_assert(kComputeWarps * 32 * kComputeRegs + 128 * kPlannerRegs <= 65536, "the register file holds both budgets");
 constexpr int kThreads = 32 * kWarps;
-// setmaxnreg moves registers within what the CTA was given at launch (__launch_bounds__: 65536 / kThreads a thread,
-// rounded down to 8), not the whole register file: a compute warp asking for more than the producer gave back
-// waits forever.
-constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-constexpr int kComputeRegs = 216, kProducerRegs = 72;
-static_assert(kComputeWarps * kComputeRegs + kProducerWarps * kProducerRegs <= kWarps * kLaunchRegs,
-              "the registers the producer gives back cover what the compute warps take");
 constexpr int kRows = 16 * kComputeWarps;  // M rows of a CTA: query tokens x GQA heads
-constexpr int kMaxBlocks = 32;             // blocks of a chunk at most: one per planning lane
-constexpr int kProducerBarrier = 1;        // the named barrier of the producer's warpgroup (0 is __syncthreads)
+constexpr int kPlanRing = 4;               // chunks' plans in shared memory (> kStages)
+constexpr int kMaxBlocks = 32;             // blocks of a chunk at most: one per planner lane
 constexpr uint8_t kDescSkip = 0xFE;        // a tile outside the CTA's keys: zeros, never read
 constexpr uint8_t kDescBad = 0xFF;         // a refused block: zeros, and the request becomes NaN
 
@@ -105,13 +91,12 @@ struct Cfg {
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
   static constexpr int kBlocks = 2 * kTiles * kSpans;  // blocks per chunk
-  // K/V tile pairs in the ring between producer and consumers: the producer runs up to kTileBufs - 1 chunks ahead of
-  // the chunk being multiplied (with wgmma the consumers hold two at once: S of chunk i + 1 under chunk i's softmax).
-  static constexpr int kTileBufs = D == 256 ? 2 : 3;
-  static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;  // staging buffers: chunks copied ahead of their rebuild
-  static constexpr int kLead = kStages + 1;                   // chunks planned ahead of their rebuild
-  static constexpr int kPlanRing = kLead + 1;                 // chunks' plans in shared memory
-  static constexpr int kPerWarp = 2 * kTiles * kSpans / kProducerWarps;  // blocks a producer warp copies and rebuilds
+  // How many chunks ahead of its multiply a chunk is rebuilt: with wgmma 2, so that S of chunk i + 1 runs on the
+  // tensor cores under chunk i's softmax and P V of chunk i under the rebuild of chunk i + 2 (three K/V tiles; two
+  // staging buffers make the room); else 1 (two tiles).
+  static constexpr int kAhead = kWgmma ? 2 : 1;
+  static constexpr int kTileBufs = kAhead + 1;                // K/V tile pairs
+  static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;  // staging buffers: chunks copied ahead
   static constexpr int kStride = D + 8;  // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
   static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
   static constexpr int kQBytes = kRows * kStride * 2;
@@ -123,8 +108,8 @@ struct Cfg {
   static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
                 "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64n128");
   static_assert(kBlocks <= kMaxBlocks && kBlocks <= kDescBytes, "a planner lane plans each block of a chunk");
-  static_assert(kBlocks % kProducerWarps == 0, "the producer warps share a chunk's blocks evenly");
-  static_assert(kStages >= 2 && kTileBufs >= 2, "copies and rebuilds overlap the work of the chunks before them");
+  static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
+  static_assert(kStages >= 2 && kStages + kAhead <= kPlanRing, "a chunk's plans outlive its staging and its rebuild");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA fits on an SM");
 };
 
@@ -143,11 +128,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int n>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
-}
-
-// Waits at named barrier id with the `threads` threads (whole warps) that use it.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
@@ -182,11 +162,21 @@ __device__ __forceinline__ float tanh_approx(float x) {
 // by the row (wgmma.cuh); else rows of kStride.
 template <int D, int kTileRows = Cfg<D>::kKV>
 __device__ __forceinline__ int tile_offset(int token, int dim) {
-  if constexpr (Cfg<D>::kWgmma) {  // unsigned: the divisions are shifts, with no fix-up for a sign
-    const unsigned t = token, d = dim;
-    return static_cast<int>((d / 64) * (kTileRows * 64) + t * 64 + (((d % 64) / 8) ^ (t % 8)) * 8);
+  if constexpr (Cfg<D>::kWgmma) {
+    return (dim / 64) * (kTileRows * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
   } else {
     return token * Cfg<D>::kStride + dim;
+  }
+}
+
+// block_io.cuh's store_lane_words into a tile: the block of tokens tok0.. and dims dim0.. (32 dims).
+template <int D>
+__device__ __forceinline__ void store_block(uint16_t* tile, int is_v, int lane, const uint32_t w[8], int tok0,
+                                            int dim0) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const FragmentRow f = fragment_row(is_v, c, lane);
+    stmatrix_x4(smem_u32(tile + tile_offset<D>(tok0 + f.row, dim0 + 8 * f.chunk)), is_v, w + 4 * c);
   }
 }
 
@@ -194,10 +184,8 @@ __device__ __forceinline__ int tile_offset(int token, int dim) {
 template <int D>
 struct BlockOf {
   int tile, is_v, span;
-  __device__ __forceinline__ explicit BlockOf(int j)  // j >= 0: unsigned, so that each division is a shift
-      : tile(static_cast<int>(static_cast<unsigned>(j) / (2 * Cfg<D>::kSpans))),
-        is_v(static_cast<int>(static_cast<unsigned>(j) / Cfg<D>::kSpans % 2)),
-        span(static_cast<int>(static_cast<unsigned>(j) % Cfg<D>::kSpans)) {}
+  __device__ __forceinline__ explicit BlockOf(int j)
+      : tile(j / (2 * Cfg<D>::kSpans)), is_v((j / Cfg<D>::kSpans) % 2), span(j % Cfg<D>::kSpans) {}
 };
 
 // The page id of block j of the chunk at c0, loaded ahead of its plan; -1 past the CTA's keys [.., hi).
@@ -241,12 +229,6 @@ __device__ __forceinline__ void load_meta_words(const Params& p, int head, int64
   for (int i = 0; i < MetaWords<D>::kWords; ++i) m.w[i] = ok && i < p.words ? __ldg(row + i) : 0;
 }
 
-// The bytes of a descriptor word that hold blocks [first, first + 4) below n.
-__device__ __forceinline__ uint32_t bytes_below(int n, int first) {
-  const int k = n - first;
-  return k >= 4 ? 0xFFFFFFFFu : k <= 0 ? 0u : (1u << (8 * k)) - 1u;
-}
-
 template <int D>
 __device__ __forceinline__ BlockPlan plan_block(const Params& p, int64_t c0, int j, const MetaWords<D>& m) {
   BlockPlan plan{0, kDescSkip};
@@ -257,35 +239,32 @@ __device__ __forceinline__ BlockPlan plan_block(const Params& p, int64_t c0, int
   const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
   const int b = static_cast<int>(tok % p.page_size) / kTileTokens * Cfg<D>::kSpans + blk.span;
   const int nblocks = blocks_per_stream(p.page_size, D);
-  // The stream's raw blocks (all of them, and those before b) and invalid descriptors, a word of four at a time.
-  int raw_all = 0, raw_before = 0;
-  uint32_t invalid = 0, word_b = 0;
+  int total = 0, offset = 0;
+  uint32_t desc_b = kDescBad;
+  bool valid = true;
 #pragma unroll
-  for (int i = 0; i < MetaWords<D>::kWords - kMetaHeaderWords; ++i) {
-    const uint32_t x = static_cast<uint32_t>(m.w[kMetaHeaderWords + i]), in_stream = bytes_below(nblocks, 4 * i);
-    const uint32_t raw = raw_desc_bytes(x);
-    invalid |= invalid_desc_bytes(x) & in_stream;
-    raw_all += __popc(raw & in_stream);
-    raw_before += __popc(raw & bytes_below(b, 4 * i));
-    word_b = i == b / 4 ? x : word_b;
+  for (int i = 0; i < MetaWords<D>::kDescs; ++i) {
+    if (i < nblocks) {
+      const auto d = static_cast<uint8_t>(static_cast<uint32_t>(m.w[kMetaHeaderWords + i / 4]) >> (8 * (i % 4)));
+      valid &= desc_valid(d);
+      const int bytes = block_bytes(d);
+      offset += i < b ? bytes : 0;
+      total += bytes;
+      desc_b = i == b ? d : desc_b;
+    }
   }
-  constexpr int kExtra = kRawBlockBytes - kCompBlockBytes;
-  const int total = kCompBlockBytes * nblocks + kExtra * raw_all;
   const int64_t start = int64_t{m.w[0]} * kStreamAlign;
-  if (invalid == 0 && start + total <= p.data_bytes) {
-    plan.desc = static_cast<uint8_t>(word_b >> (8 * (b % 4)));
-    plan.src = start + kCompBlockBytes * b + kExtra * raw_before;
-  }
+  if (valid && start + total <= p.data_bytes) plan.desc = desc_b, plan.src = start + offset;
   return plan;
 }
 
-// The planner publishes a chunk's plans (lane j holds block j's) for the producer warps: descriptors and offsets.
+// The planner publishes a chunk's plans (lane j holds block j's) for the compute warps: descriptors and offsets.
 template <int D>
 __device__ __forceinline__ void publish_plans(BlockPlan plan, uint8_t* descs, int64_t* srcs, int lane) {
   if (lane < Cfg<D>::kBlocks) descs[lane] = static_cast<uint8_t>(plan.desc), srcs[lane] = plan.src;
 }
 
-// A producer warp starts the copy of planned block j of a chunk into its staging buffer, still in the format: each
+// A compute warp starts the copy of planned block j of a chunk into its staging buffer, still in the format: each
 // lane its 16 positions, 16 low bytes and 8 code bytes, or a raw block's two 16-byte pieces.
 __device__ __forceinline__ void issue_block(const Params& p, uint32_t desc, int64_t off, uint8_t* dst, int lane) {
   if (desc == kDescSkip || desc == kDescBad) return;
@@ -298,116 +277,45 @@ __device__ __forceinline__ void issue_block(const Params& p, uint32_t desc, int6
   }
 }
 
-// A producer warp's blocks of a chunk, j = pw * kPerWarp + i for i < kPerWarp, rebuilt from their staging into bf16 in
-// the K or V tile (tile_offset's layout): the lane's 8 words in position order (format.h), which are its fragments of
-// four 8x8 matrices of the block, go out by two stmatrix. Values of tokens at or past kv_len are zeroed in V (an open
-// page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is 0). In one
-// unrolled line: kPerWarp is a multiple of kSpans, so block i's 32-dim span is i % kSpans, a constant, and its place
-// in the tile is the lane's offset for its span 0 (off0[is_v][c], c: the stmatrix call) plus a constant (the swizzle
-// flips bit 2 of the 16-byte chunk index for an odd span: chunk indices below 4 ^ 4, i.e. the offset ^ 32). The
-// warp's blocks lie in one 16-token tile (K and V, or at d 256 one of them), so the V tail past kv_len is one test.
+// Rebuilds staged block j into bf16 in the K or V tile (tile_offset's layout): the lane's 8 words in position order
+// (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix (store_block). Values
+// of tokens at or past kv_len are zeroed in V (an open page's free slots may hold any bit pattern, and 0 * NaN would
+// poison O although their weight is 0).
 template <int D>
-struct LaneOffsets {
-  int off0[2][2];
-};
-template <int D>
-__device__ __forceinline__ LaneOffsets<D> lane_offsets(int pw, int lane) {
-  const int tile = pw * Cfg<D>::kPerWarp / (2 * Cfg<D>::kSpans);  // the tile of the warp's first block
-  LaneOffsets<D> l;
+__device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
+                                              const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
+  const BlockOf<D> blk(j);
+  const int tile = blk.tile, is_v = blk.is_v, span = blk.span;
+  const uint8_t desc = descs[j];
+  const uint8_t* src = stage + j * kRawBlockBytes;
+  uint32_t w[8];
+  if (desc == kDescSkip || desc == kDescBad) {
 #pragma unroll
-  for (int is_v = 0; is_v < 2; ++is_v)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const FragmentRow f = fragment_row(is_v, c, lane);
-      l.off0[is_v][c] = tile_offset<D>(tile * kTileTokens + f.row, 8 * f.chunk);
-    }
-  return l;
-}
-template <int D, int kSpan>
-__device__ __forceinline__ int span_offset(int off0) {
-  if constexpr (Cfg<D>::kWgmma) {
-    return (kSpan / 2) * (Cfg<D>::kKV * 64) + (off0 ^ (32 * (kSpan % 2)));
+    for (int m = 0; m < 8; ++m) w[m] = 0;
+  } else if (desc == kDescRaw) {
+    const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
   } else {
-    return off0 + kBlockDims * kSpan;
+    decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
+                *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
   }
-}
-template <int D>
-__device__ __forceinline__ bool rebuild_warp_blocks(int pw, int64_t c0, int64_t kv_len, const uint8_t* stage,
-                                                    const uint8_t* descs, uint16_t* ks, uint16_t* vs,
-                                                    const LaneOffsets<D>& l, int lane) {
-  using C = Cfg<D>;
-  constexpr int kPer = C::kPerWarp;
-  static_assert(kPer % C::kSpans == 0 && (kPer == C::kSpans || kPer == 2 * C::kSpans), "a warp's blocks: whole spans");
-  const int j0 = pw * kPer;
-  uint32_t dw[2];  // the warp's descriptor bytes
-  if constexpr (kPer == 8) {
-    const uint2 d = *reinterpret_cast<const uint2*>(descs + j0);
-    dw[0] = d.x, dw[1] = d.y;
-  } else {
-    dw[0] = *reinterpret_cast<const uint32_t*>(descs + j0), dw[1] = 0;
-  }
-  const uint8_t* base = stage + j0 * kRawBlockBytes;
-  // A warp's blocks are all K or all V at d 256 (kPer == kSpans): which one is the warp's parity.
-  const int v_of_warp = kPer == C::kSpans ? pw % 2 : 0;
-  bool refused = false;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int is_v = kPer == C::kSpans ? v_of_warp : i / C::kSpans;
-    const uint8_t desc = static_cast<uint8_t>(dw[i / 4] >> (8 * (i % 4)));
-    const uint8_t* src = base + i * kRawBlockBytes;
-    uint32_t w[8];
-    if (desc == kDescSkip || desc == kDescBad) {
-#pragma unroll
-      for (int m = 0; m < 8; ++m) w[m] = 0;
-    } else if (desc == kDescRaw) {
-      const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
-      const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
-      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
-    } else {
-      decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
-                  *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
-    }
-    refused |= desc == kDescBad;
-    uint16_t* const dst = is_v ? vs : ks;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int off0 = is_v ? l.off0[1][c] : l.off0[0][c];
-      int off;
-      switch (i % C::kSpans) {  // a constant after unrolling
-        case 0: off = span_offset<D, 0>(off0); break;
-        case 1: off = span_offset<D, 1>(off0); break;
-        case 2: off = span_offset<D, 2>(off0); break;
-        case 3: off = span_offset<D, 3>(off0); break;
-        case 4: off = span_offset<D, 4>(off0); break;
-        case 5: off = span_offset<D, 5>(off0); break;
-        case 6: off = span_offset<D, 6>(off0); break;
-        default: off = span_offset<D, 7>(off0); break;
-      }
-      stmatrix_x4(smem_u32(dst + off), is_v, w + 4 * c);
-    }
-  }
-  // The V tail: where the warp's tile holds kv_len's last tokens (the last chunk only), its rows past kv_len are
-  // zeroed, 16 rows x 4 pieces of 16 bytes a block, lane k zeroing pieces k and k + 32.
-  const int tile = j0 / (2 * C::kSpans);
+  uint16_t* const dst = is_v ? vs : ks;
+  store_block<D>(dst, is_v, lane, w, tile * kTileTokens, span * kBlockDims);
   const int64_t tok = c0 + int64_t{tile} * kTileTokens;
-  if (tok + kTileTokens > kv_len && tok < kv_len) {
+  if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
     __syncwarp();
-    const int valid = static_cast<int>(kv_len - tok);
+    const int valid = static_cast<int>(kv_len - tok);  // in [1, 16): the tile holds kv_len's last tokens
+    // 16 rows x 4 pieces of 16 bytes; lane k zeroes pieces k and k + 32 where their row is past kv_len.
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int is_v = kPer == C::kSpans ? v_of_warp : i / C::kSpans;
-      if (!is_v) continue;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int piece = lane + 32 * k, row = piece / 4;
-        if (row < valid) continue;
-        *reinterpret_cast<uint4*>(
-            vs + tile_offset<D>(tile * kTileTokens + row, (i % C::kSpans) * kBlockDims + (piece % 4) * 8)) =
-            make_uint4(0, 0, 0, 0);
-      }
+    for (int k = 0; k < 2; ++k) {
+      const int piece = lane + 32 * k, row = piece / 4;
+      if (row < valid) continue;
+      *reinterpret_cast<uint4*>(dst + tile_offset<D>(tile * kTileTokens + row, span * kBlockDims + (piece % 4) * 8)) =
+          make_uint4(0, 0, 0, 0);
     }
   }
-  return refused;
+  return desc == kDescBad;
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
@@ -482,8 +390,8 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
 
 // S = Q K^T for one compute warp's 16 rows over one chunk's K tile (ks). With wgmma the four warps of a warpgroup
 // call it together, Q read by descriptor from the swizzled Q tile (held in registers, its 32 registers a thread made
-// ptxas spill the loop's addresses), and the MMAs are only started: attend_chunk waits for them, so that the softmax
-// of the chunk before runs while the tensor cores work. Else each warp alone, Q's fragments read from qs.
+// ptxas spill the loop's addresses), and the MMAs are only started: attend_chunk waits for them, so that the rebuild
+// of the next chunk runs while the tensor cores work. Else each warp alone, Q's fragments read from qs.
 template <int D>
 __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t* ks, int warp, int lane,
                                              float (&s)[Cfg<D>::kKV / 8][4]) {
@@ -573,20 +481,17 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 template <int D, bool kCap>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
-  constexpr int kS = C::kStages, kB = C::kTileBufs;
+  constexpr int kS = C::kStages;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
-  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                    // [kTileBufs][K, V][kKVBytes]
-  uint8_t* stages = smem + 2 * kB * C::kKVBytes;                             // [kS][kStageBytes]
-  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);  // [kRows][kStride]
-  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);  // [kPlanRing][kDescBytes]
-  int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + C::kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
+  uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [kTileBufs][K, V][kKVBytes]
+  uint8_t* stages = smem + 2 * C::kTileBufs * C::kKVBytes;                                // [kS][kStageBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kRows][kStride]
+  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);               // [kPlanRing][kDescBytes]
+  int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
   __shared__ int s_request, s_tile, s_bad;
-  // Tile pair i % kB holds chunk i: `full` completes when the producer has rebuilt it (one arrival), `empty` when
-  // every compute warp is done reading it (one arrival each).
-  __shared__ __align__(8) uint64_t s_full[kB], s_empty[kB];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int head = blockIdx.y;  // kv head
@@ -628,12 +533,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     *reinterpret_cast<uint4*>(qs + tile_offset<D, kRows>(r, piece * 8)) = v;
   }
   if constexpr (C::kWgmma) fence_proxy_async_smem();  // Q is read by wgmma after the next barrier
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 0; i < kB; ++i) mbar_init(smem_u32(&s_full[i]), 1), mbar_init(smem_u32(&s_empty[i]), kComputeWarps);
-    mbar_init_fence();
-  }
-  __syncthreads();  // Q staged, the barriers initialised
 
   // The keys the tile's rows see: [lo, hi). Pages wholly outside are never read.
   const int64_t pos0 = kv_len - q_len + t0;  // position of the tile's first query token
@@ -642,77 +541,47 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int64_t c_first = lo / kTileTokens * kTileTokens;
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
-  const auto kv_tile = [&](int ci, int is_v) { return kv_tiles + ((ci % kB) * 2 + is_v) * (C::kKVBytes / 2); };
-  const auto full_bar = [&](int ci) { return smem_u32(&s_full[ci % kB]); };
-  const auto empty_bar = [&](int ci) { return smem_u32(&s_empty[ci % kB]); };
+  const auto kv_tile = [&](int ci, int is_v) {
+    return kv_tiles + ((ci % C::kTileBufs) * 2 + is_v) * (C::kKVBytes / 2);
+  };
 
-  if (warp >= kComputeWarps) {
-    // ---- The producer. Its first warp plans: the plans of chunk ci + kLead are published while chunk ci is
-    // rebuilt (the first kLead chunks at once: page id, words and plan in a chain, once per CTA); from then on page
-    // ids are loaded two chunks ahead of their plans and meta words one, each step using what the step before loaded,
-    // so that the planner never waits on a load in the step that issues it. Each warp copies its kPerWarp blocks of a
-    // chunk kS chunks ahead of their rebuild (its copies are its own to wait for, its staging bytes its own to reuse).
-    setmaxnreg_dec<kProducerRegs>();
-    const int pw = warp - kComputeWarps;
-    constexpr int kLead = C::kLead, kRing = C::kPlanRing;
+  if (warp >= kPlanner) {
+    setmaxnreg_dec<kPlannerRegs>();
+    if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
+      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      return;
+    }
+    // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
+    // copy chunk ci + kS + kAhead - 1 in that step). The first kS + kAhead chunks are planned at once (page id, words
+    // and plan in a chain, once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta
+    // words one, each step using what the step before loaded, so that the planner never waits on a load in the step
+    // that issues it.
+    constexpr int kLead = kS + C::kAhead;
     MetaWords<D> words;
     const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
     const auto publish = [&](int ci, BlockPlan plan) {
-      publish_plans<D>(plan, desc_ring + ci % kRing * C::kDescBytes, src_ring + ci % kRing * kMaxBlocks, lane);
+      publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks, lane);
     };
-    int32_t page_next = -1;
-    if (pw == 0) {
-      for (int ci = 0; ci < kLead && ci < chunks; ++ci) {
-        load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
-        publish(ci, plan_block<D>(p, chunk_key(ci), lane, words));
-      }
-      if (kLead < chunks) load_meta_words<D>(p, head, chunk_key(kLead), hi, lane, page_of(kLead), words);
-      page_next = page_of(kLead + 1);
+    for (int ci = 0; ci < kLead && ci < chunks; ++ci) {
+      load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
+      publish(ci, plan_block<D>(p, chunk_key(ci), lane, words));
     }
-    named_barrier_sync(kProducerBarrier, 32 * kProducerWarps);  // the plans of chunks 0..kLead - 1 published
-    const auto issue_chunk = [&](int ci) {
-      if (ci < chunks) {
-        const uint8_t* descs = desc_ring + ci % kRing * C::kDescBytes;
-        const int64_t* srcs = src_ring + ci % kRing * kMaxBlocks;
-#pragma unroll 1
-        for (int i = 0; i < C::kPerWarp; ++i) {
-          const int j = pw * C::kPerWarp + i;
-          issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
-        }
-      }
-      cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
-    };
-    for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
-    const LaneOffsets<D> offsets = lane_offsets<D>(pw, lane);
-    bool refused = false;
+    if (kLead < chunks) load_meta_words<D>(p, head, chunk_key(kLead), hi, lane, page_of(kLead), words);
+    int32_t page_next = page_of(kLead + 1);
+    __syncthreads();  // the plans of chunks 0..kLead - 1 published
+    __syncthreads();  // chunks 0..kAhead - 1 rebuilt
     for (int ci = 0; ci < chunks; ++ci) {
-      if (pw == 0) {
-        const int next = ci + kLead;
-        if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
-        if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
-        page_next = page_of(next + 2);
-      }
-      cp_async_wait<kS - 1>();                                    // this warp's blocks of chunk ci have landed
-      if (ci >= kB) mbar_wait(empty_bar(ci), (ci / kB - 1) & 1);  // and the compute warps are done with chunk ci - kB
-      const uint8_t* stage = stages + ci % kS * C::kStageBytes;
-      const uint8_t* descs = desc_ring + ci % kRing * C::kDescBytes;
-#if ZIPKV_PREFILL_PROBE != 1
-      refused |= rebuild_warp_blocks<D>(pw, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
-                                        offsets, lane);
-#endif
-      if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma
-      issue_chunk(ci + kS);                               // into the staging chunk ci left
-      // Every producer warp's blocks of chunk ci rebuilt (and the plans of chunk ci + kLead published): chunk ci is
-      // announced.
-      named_barrier_sync(kProducerBarrier, 32 * kProducerWarps);
-      if (pw == 0 && lane == 0) mbar_arrive(full_bar(ci));
+      const int next = ci + kLead;
+      if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
+      if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
+      page_next = page_of(next + 2);
+      __syncthreads();
     }
-    if (refused) atomicOr(&s_bad, 1);
-    __syncthreads();  // the refusal flags
+    __syncthreads();  // the compute warps' refusal flags
     return;
   }
 
-  // ---- The compute warps: multiply chunk ci once the producer has announced it, release its tiles after.
+  // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
   setmaxnreg_inc<kComputeRegs>();
   // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
   // whether any of its rows is real. A chunk is skipped, or the rows multiplied at all, by the unit that issues the
@@ -731,6 +600,32 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  bool refused = false;
+  // Each compute warp copies, and then rebuilds, blocks warp * kPerWarp.. of every chunk: its copies are its own to
+  // wait for, and its staging bytes its own to reuse.
+  constexpr int kPerWarp = C::kBlocks / kComputeWarps;
+  const auto issue_chunk = [&](int ci) {
+    if (ci < chunks) {
+      const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
+      const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
+#pragma unroll
+      for (int i = 0; i < kPerWarp; ++i) {
+        const int j = warp * kPerWarp + i;
+        issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
+      }
+    }
+    cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
+  };
+  const auto rebuild_chunk = [&](int ci) {
+    const uint8_t* stage = stages + ci % kS * C::kStageBytes;
+    const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int j = warp * kPerWarp + i;
+      refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
+    }
+    if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
+  };
 
   // Which rows of the warp chunk ci reaches: all keys masked for every row (causal: past the last row; window:
   // before the first row's window) skip the chunk; masks only where some key of some row falls outside.
@@ -747,49 +642,54 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     for (int h2 = 0; h2 < 2; ++h2) rel_pos[h2] = static_cast<int>(max(min(pos_row[h2] - c0, kFar), -kFar));
     return static_cast<int>(min(kv_len - c0, int64_t{C::kKV}));  // kv_rem
   };
-  const auto wait_full = [&](int ci) { mbar_wait(full_bar(ci), (ci / kB) & 1); };
-  const auto release = [&](int ci) {  // the warp's reads of chunk ci's tiles are done
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty_bar(ci));
-  };
 
+  // Copies kS chunks ahead of their rebuild, rebuilds kAhead chunks ahead of their multiply. A chunk's staging
+  // buffer is refilled right after its rebuild: in step ci with chunk ci + kAhead - 1 + kS.
+  __syncthreads();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
+  for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
+#pragma unroll
+  for (int r = 0; r < C::kAhead; ++r) {
+    cp_async_wait<kS - 1>();  // chunk r
+    if (r < chunks) rebuild_chunk(r);
+    if (r + 1 < C::kAhead) issue_chunk(r + kS);
+  }
+  __syncthreads();  // chunks 0..kAhead - 1 rebuilt
   if constexpr (C::kWgmma) {
-    // S of chunk ci + 1 is started before chunk ci's softmax and waited for with P V of chunk ci; every warpgroup
-    // runs every chunk's MMAs (a chunk it does not reach, or rows past the tile's, is masked whole, its results
-    // unused), so that no MMA is issued or waited for under a branch: ptxas serializes wgmma that it cannot prove
-    // uniform. Past the last chunk S reads a tile pair the producer no longer writes: stale bytes, never used.
+    // S of chunk ci + 1 is started before chunk ci's softmax, P V of chunk ci waited for after the rebuild of chunk
+    // ci + 2; every warpgroup runs every chunk's MMAs (a chunk it does not reach, or rows past the tile's, is masked
+    // whole, its results unused), so that no MMA is issued or waited for under a branch: ptxas serializes wgmma that
+    // it cannot prove uniform.
     float s_cur[C::kKV / 8][4], s_next[C::kKV / 8][4];
     uint32_t pa[C::kKV / 16][4];
-    if (chunks > 0) wait_full(0);
     start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
     fence_registers(s_cur);
-#if ZIPKV_PREFILL_PROBE == 2
-    for (int ci = 0; ci < chunks; ++ci) wait_full(ci), release(ci);
-    if (chunks < 0)
-#endif
-      for (int ci = 0; ci < chunks; ++ci) {
-        if (ci + 1 < chunks) wait_full(ci + 1);
-        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
-        const int64_t c0 = chunk_key(ci);
-        int rel_pos[2];
-        const int kv_rem = relative(c0, rel_pos);
-        const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
-        attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
-        wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
-        fence_registers(o);
-        fence_registers(s_next);
-        fence_registers(pa);
-        release(ci);
+    for (int ci = 0; ci < chunks; ++ci) {
+      issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
+      start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);  // past the last chunk: stale bytes, never used
+      const int64_t c0 = chunk_key(ci);
+      int rel_pos[2];
+      const int kv_rem = relative(c0, rel_pos);
+      const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
+      attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+      cp_async_wait<kS - 1>();  // chunk ci + 2, copied a step ago
+      if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+      wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
+      fence_registers(o);
+      fence_registers(s_next);
+      fence_registers(pa);
 #pragma unroll
-        for (int n = 0; n < C::kKV / 8; ++n) {
+      for (int n = 0; n < C::kKV / 8; ++n) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
-        }
+        for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
       }
+      __syncthreads();  // chunk ci + 2 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 2 published
+    }
   } else {
     for (int ci = 0; ci < chunks; ++ci) {
-      wait_full(ci);
+      issue_chunk(ci + kS);     // into the staging chunk ci left
+      cp_async_wait<kS - 1>();  // chunk ci + 1, copied two steps ago
+      if (ci + 1 < chunks) rebuild_chunk(ci + 1);
       const int64_t c0 = chunk_key(ci);
       if (unit_active && !chunk_none(c0)) {
         float s[C::kKV / 8][4];
@@ -799,10 +699,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         uint32_t pa[C::kKV / 16][4];
         attend_chunk<D, kCap>(p, s, kv_tile(ci, 1), lane, chunk_masked(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
       }
-      release(ci);
+      __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
     }
   }
-  __syncthreads();  // the producer's refusal flags
+  if (refused) atomicOr(&s_bad, 1);
+  __syncthreads();
   const bool poisoned = bad_request || s_bad != 0;
   if (!warp_active) return;
 
