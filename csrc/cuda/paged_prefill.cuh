@@ -99,12 +99,22 @@ struct Cfg {
   static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;  // staging buffers: chunks copied ahead
   static constexpr int kStride = D + 8;  // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
   static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
-  static constexpr int kQBytes = kRows * kStride * 2;
+  static constexpr int kQBytes = kRows * (kWgmma ? D : kStride) * 2;
   static constexpr int kKVBytes = kKV * (kWgmma ? D : kStride) * 2;  // one K or V tile
   static constexpr int kDescBytes = 32;
   static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
   static constexpr int kSmemBytes =
       kAlign + 2 * kTileBufs * kKVBytes + kStages * kStageBytes + kQBytes + kPlanRing * (kDescBytes + 8 * kMaxBlocks);
+  // PROBE (experiment): bit 3 adds a staging buffer.
+  template <int kProbe>
+  static constexpr int stages() { return kStages + ((kProbe & 8) ? 1 : 0); }
+  template <int kProbe>
+  static constexpr int ring() { return stages<kProbe>() + kAhead > kPlanRing ? stages<kProbe>() + kAhead : kPlanRing; }
+  template <int kProbe>
+  static constexpr int smem_bytes() {
+    return kAlign + 2 * kTileBufs * kKVBytes + stages<kProbe>() * kStageBytes + kQBytes +
+           ring<kProbe>() * (kDescBytes + 8 * kMaxBlocks);
+  }
   static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
                 "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64n128");
   static_assert(kBlocks <= kMaxBlocks && kBlocks <= kDescBytes, "a planner lane plans each block of a chunk");
@@ -478,10 +488,13 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 }
 
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
-template <int D, bool kCap>
+// PROBE bits (experiment): 1 no rebuild, 2 no copies, 4 no MMA/softmax, 8 one more staging buffer.
+template <int D, bool kCap, int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
-  constexpr int kS = C::kStages;
+  constexpr int kS = C::template stages<kProbe>();
+  constexpr int kPlanRing = C::template ring<kProbe>();
+  static_assert(C::template smem_bytes<kProbe>() <= 227 * 1024);
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
@@ -489,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [kTileBufs][K, V][kKVBytes]
   uint8_t* stages = smem + 2 * C::kTileBufs * C::kKVBytes;                                // [kS][kStageBytes]
   uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kRows][kStride]
-  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);               // [kPlanRing][kDescBytes]
+  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs) + C::kQBytes;               // [kPlanRing][kDescBytes]
   int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
   __shared__ int s_request, s_tile, s_bad;
 
@@ -610,6 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
 #pragma unroll
       for (int i = 0; i < kPerWarp; ++i) {
+        if (kProbe & 2) break;
         const int j = warp * kPerWarp + i;
         issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
       }
@@ -621,6 +635,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
 #pragma unroll
     for (int i = 0; i < kPerWarp; ++i) {
+      if (kProbe & 1) break;
       const int j = warp * kPerWarp + i;
       refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
     }
@@ -661,9 +676,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     // it cannot prove uniform.
     float s_cur[C::kKV / 8][4], s_next[C::kKV / 8][4];
     uint32_t pa[C::kKV / 16][4];
-    start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
+    if (!(kProbe & 4)) start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
     fence_registers(s_cur);
+    if (kProbe & 4) {
+      for (int ci = 0; ci < chunks; ++ci) {
+        issue_chunk(ci + C::kAhead - 1 + kS);
+        cp_async_wait<kS - 1>();
+        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        __syncthreads();
+      }
+    } else
     for (int ci = 0; ci < chunks; ++ci) {
       issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
       start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);  // past the last chunk: stale bytes, never used

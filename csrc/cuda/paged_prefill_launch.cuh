@@ -4,21 +4,43 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+
 #include "paged_prefill.cuh"
 #include "smem_limit.cuh"
 
 namespace zipkv::cuda::prefill {
 
+template <int D, int kProbe>
+void launch_probe(const Params& p, const dim3 grid, cudaStream_t stream) {
+  static SmemFlags done{}, done_cap{};
+  constexpr int kSmem = Cfg<D>::template smem_bytes<kProbe>();
+  if (p.cap_log2 > 0.f) {
+    set_smem_limit(paged_prefill_kernel<D, true, kProbe>, kSmem, done_cap);
+    paged_prefill_kernel<D, true, kProbe><<<grid, kThreads, kSmem, stream>>>(p);
+  } else {
+    set_smem_limit(paged_prefill_kernel<D, false, kProbe>, kSmem, done);
+    paged_prefill_kernel<D, false, kProbe><<<grid, kThreads, kSmem, stream>>>(p);
+  }
+}
+
 template <int D>
 void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
-  static SmemFlags done{}, done_cap{};
   const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(p.H));
-  if (p.cap_log2 > 0.f) {
-    set_smem_limit(paged_prefill_kernel<D, true>, Cfg<D>::kSmemBytes, done_cap);
-    paged_prefill_kernel<D, true><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
-  } else {
-    set_smem_limit(paged_prefill_kernel<D, false>, Cfg<D>::kSmemBytes, done);
-    paged_prefill_kernel<D, false><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+  const char* env = std::getenv("ZIPKV_PREFILL_PROBE");
+  const int probe = env != nullptr ? std::atoi(env) : 0;
+  if constexpr (D != 128) {
+    launch_probe<D, 0>(p, grid, stream);
+  } else switch (probe) {
+    case 1: launch_probe<D, 1>(p, grid, stream); break;
+    case 2: launch_probe<D, 2>(p, grid, stream); break;
+    case 3: launch_probe<D, 3>(p, grid, stream); break;
+    case 4: launch_probe<D, 4>(p, grid, stream); break;
+    case 8: launch_probe<D, 8>(p, grid, stream); break;
+    case 9: launch_probe<D, 9>(p, grid, stream); break;
+    case 11: launch_probe<D, 11>(p, grid, stream); break;
+    case 12: launch_probe<D, 12>(p, grid, stream); break;
+    default: launch_probe<D, 0>(p, grid, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
