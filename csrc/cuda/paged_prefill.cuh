@@ -91,6 +91,7 @@ struct Cfg {
   static constexpr int kTiles = kKV / kTileTokens;
   static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
   static constexpr int kBlocks = 2 * kTiles * kSpans;  // blocks per chunk
+  static constexpr int kPerWarp = kBlocks / kComputeWarps;  // blocks a compute warp copies and rebuilds
   // How many chunks ahead of its multiply a chunk is rebuilt: with wgmma 2, so that S of chunk i + 1 runs on the
   // tensor cores under chunk i's softmax and P V of chunk i under the rebuild of chunk i + 2 (three K/V tiles; two
   // staging buffers make the room); else 1 (two tiles).
@@ -111,8 +112,10 @@ struct Cfg {
   template <int kProbe>
   static constexpr int ring() { return stages<kProbe>() + kAhead > kPlanRing ? stages<kProbe>() + kAhead : kPlanRing; }
   template <int kProbe>
+  static constexpr int tile_bufs() { return kTileBufs + ((kProbe & 32) ? 1 : 0); }
+  template <int kProbe>
   static constexpr int smem_bytes() {
-    return kAlign + 2 * kTileBufs * kKVBytes + stages<kProbe>() * kStageBytes + kQBytes +
+    return kAlign + 2 * tile_bufs<kProbe>() * kKVBytes + stages<kProbe>() * kStageBytes + kQBytes +
            ring<kProbe>() * (kDescBytes + 8 * kMaxBlocks);
   }
   static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
@@ -172,8 +175,9 @@ __device__ __forceinline__ float tanh_approx(float x) {
 // by the row (wgmma.cuh); else rows of kStride.
 template <int D, int kTileRows = Cfg<D>::kKV>
 __device__ __forceinline__ int tile_offset(int token, int dim) {
-  if constexpr (Cfg<D>::kWgmma) {
-    return (dim / 64) * (kTileRows * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+  if constexpr (Cfg<D>::kWgmma) {  // unsigned: the divisions are shifts, with no fix-up for a sign
+    const unsigned t = token, d = dim;
+    return static_cast<int>((d / 64) * (kTileRows * 64) + t * 64 + (((d % 64) / 8) ^ (t % 8)) * 8);
   } else {
     return token * Cfg<D>::kStride + dim;
   }
@@ -194,8 +198,10 @@ __device__ __forceinline__ void store_block(uint16_t* tile, int is_v, int lane, 
 template <int D>
 struct BlockOf {
   int tile, is_v, span;
-  __device__ __forceinline__ explicit BlockOf(int j)
-      : tile(j / (2 * Cfg<D>::kSpans)), is_v((j / Cfg<D>::kSpans) % 2), span(j % Cfg<D>::kSpans) {}
+  __device__ __forceinline__ explicit BlockOf(int j)  // j >= 0: unsigned, so that each division is a shift
+      : tile(static_cast<int>(static_cast<unsigned>(j) / (2 * Cfg<D>::kSpans))),
+        is_v(static_cast<int>(static_cast<unsigned>(j) / Cfg<D>::kSpans % 2)),
+        span(static_cast<int>(static_cast<unsigned>(j) % Cfg<D>::kSpans)) {}
 };
 
 // The page id of block j of the chunk at c0, loaded ahead of its plan; -1 past the CTA's keys [.., hi).
@@ -328,6 +334,104 @@ __device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len,
   return desc == kDescBad;
 }
 
+// A compute warp's blocks of a chunk, j = warp * kPerWarp + i for i < kPerWarp, rebuilt as rebuild_block does, in one
+// unrolled line: the warp's blocks are consecutive spans of one K or V 16-token tile (kPerWarp <= kSpans), so block
+// i's place in the tile is the lane's offset for the warp's first block (off0[c], c: the stmatrix call) plus a
+// constant: kBlockDims * i, or with the swizzle (where the warp's blocks start at span 0) the column block i / 2 and,
+// for an odd span, bit 2 of the 16-byte chunk index flipped (chunk indices below 4 ^ 4: the offset ^ 32).
+template <int D>
+struct WarpOffsets {
+  int off0[2];
+};
+template <int D>
+__device__ __forceinline__ WarpOffsets<D> warp_offsets(int warp, int lane) {
+  using C = Cfg<D>;
+  const BlockOf<D> blk(warp * C::kPerWarp);
+  WarpOffsets<D> l;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const FragmentRow f = fragment_row(blk.is_v, c, lane);
+    l.off0[c] = tile_offset<D>(blk.tile * kTileTokens + f.row, blk.span * kBlockDims + 8 * f.chunk);
+  }
+  return l;
+}
+template <int D, int kSpan>
+__device__ __forceinline__ int span_offset(int off0) {
+  if constexpr (Cfg<D>::kWgmma) {
+    return (kSpan / 2) * (Cfg<D>::kKV * 64) + (off0 ^ (32 * (kSpan % 2)));
+  } else {
+    return off0 + kBlockDims * kSpan;
+  }
+}
+template <int D>
+__device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_t kv_len, const uint8_t* stage,
+                                                    const uint8_t* descs, uint16_t* ks, uint16_t* vs,
+                                                    const WarpOffsets<D>& l, int lane) {
+  using C = Cfg<D>;
+  constexpr int kPer = C::kPerWarp;
+  static_assert(C::kSpans % kPer == 0 && kPer <= 4 && (!C::kWgmma || kPer == C::kSpans),
+                "a warp's blocks: spans of one tile, from span 0 under the swizzle");
+  const int j0 = warp * kPer;
+  const BlockOf<D> blk(j0);
+  uint32_t dw;  // the warp's descriptor bytes
+  if constexpr (kPer == 4) {
+    dw = *reinterpret_cast<const uint32_t*>(descs + j0);
+  } else {
+    dw = *reinterpret_cast<const uint16_t*>(descs + j0);
+  }
+  const uint8_t* base = stage + j0 * kRawBlockBytes;
+  uint16_t* const dst = blk.is_v ? vs : ks;
+  bool refused = false;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const uint8_t desc = static_cast<uint8_t>(dw >> (8 * i));
+    const uint8_t* src = base + i * kRawBlockBytes;
+    uint32_t w[8];
+    if (desc == kDescSkip || desc == kDescBad) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) w[m] = 0;
+    } else if (desc == kDescRaw) {
+      const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+      const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    } else {
+      decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
+                  *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
+    }
+    refused |= desc == kDescBad;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      int off;
+      switch (i) {  // a constant after unrolling
+        case 0: off = span_offset<D, 0>(l.off0[c]); break;
+        case 1: off = span_offset<D, 1>(l.off0[c]); break;
+        case 2: off = span_offset<D, 2>(l.off0[c]); break;
+        default: off = span_offset<D, 3>(l.off0[c]); break;
+      }
+      stmatrix_x4(smem_u32(dst + off), blk.is_v, w + 4 * c);
+    }
+  }
+  // The V tail: where the warp's tile holds kv_len's last tokens (the last chunk only), its rows past kv_len are
+  // zeroed, 16 rows x 4 pieces of 16 bytes a block, lane k zeroing pieces k and k + 32.
+  const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
+  if (blk.is_v && tok + kTileTokens > kv_len && tok < kv_len) {
+    __syncwarp();
+    const int valid = static_cast<int>(kv_len - tok);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int piece = lane + 32 * k, row = piece / 4;
+        if (row < valid) continue;
+        *reinterpret_cast<uint4*>(dst + tile_offset<D>(blk.tile * kTileTokens + row,
+                                                       (blk.span + i) * kBlockDims + (piece % 4) * 8)) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+  return refused;
+}
+
 // ---------------------------------------------------------------------------------------------- the kernel
 // Q's A fragments of a warp's 16 rows, k-step k (16 dims), from the Q tile.
 template <int D>
@@ -437,32 +541,36 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
   }
 }
 
-// One compute warp's 16 rows: O += softmax(S) V over one chunk (S from start_scores, the V tile vs), the online
-// softmax state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for
-// some row of the warp; rel_pos: the rows' positions relative to the chunk's first key (clamped), kv_rem: kv_len
-// minus that key (clamped). With wgmma the four warps of a warpgroup call it together, S has landed, and P V is only
-// started: the caller waits for it, and keeps P's fragments (pa, P V's A operand, read until then) alive to there.
+// One compute warp's 16 rows of a chunk: S (from start_scores) becomes P, the A operand of P V (pa), by the online
+// softmax, its state carried in m_run and l_run (O rescaled where a row's maximum rises). masked: the chunk crosses
+// the causal diagonal, a window edge or kv_len for some row of the warp; rel_pos: the rows' positions relative to the
+// chunk's first key (clamped), kv_rem: kv_len minus that key (clamped).
 template <int D, bool kCap>
-__device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], const uint16_t* vs,
-                                             int lane, bool masked, const int rel_pos[2], int kv_rem,
-                                             float (&o)[D / 8][4], float m_run[2], float l_run[2],
-                                             uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+__device__ __forceinline__ void softmax_to_p(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], int lane, bool masked,
+                                             const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
+                                             float l_run[2], uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
   using C = Cfg<D>;
   const int t = lane % 4;
-
   if (masked) {
     online_softmax<D, kCap, true>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
   } else {
     online_softmax<D, kCap, false>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
   }
-
-  // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
+  // P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
     pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
     pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
     pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
+}
+
+// O += P V over one chunk (the V tile vs). With wgmma the four warps of a warpgroup call it together and the MMAs
+// are only started: the caller waits for them, and keeps pa alive to there.
+template <int D>
+__device__ __forceinline__ void start_pv(const uint16_t* vs, int lane, float (&o)[D / 8][4],
+                                         uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+  using C = Cfg<D>;
   if constexpr (C::kWgmma) {
     // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
     const uint32_t vb = smem_u32(vs);
@@ -487,6 +595,15 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
   }
 }
 
+template <int D, bool kCap>
+__device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], const uint16_t* vs,
+                                             int lane, bool masked, const int rel_pos[2], int kv_rem,
+                                             float (&o)[D / 8][4], float m_run[2], float l_run[2],
+                                             uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+  softmax_to_p<D, kCap>(p, s, lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+  start_pv<D>(vs, lane, o, pa);
+}
+
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
 // PROBE bits (experiment): 1 no rebuild, 2 no copies, 4 no MMA/softmax, 8 one more staging buffer.
 template <int D, bool kCap, int kProbe>
@@ -494,13 +611,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   using C = Cfg<D>;
   constexpr int kS = C::template stages<kProbe>();
   constexpr int kPlanRing = C::template ring<kProbe>();
+  constexpr int kTB = C::template tile_bufs<kProbe>();
+  constexpr bool kPing = (kProbe & 32) != 0 && C::kWgmma;
   static_assert(C::template smem_bytes<kProbe>() <= 227 * 1024);
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
   uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [kTileBufs][K, V][kKVBytes]
-  uint8_t* stages = smem + 2 * C::kTileBufs * C::kKVBytes;                                // [kS][kStageBytes]
+  uint8_t* stages = smem + 2 * kTB * C::kKVBytes;                                // [kS][kStageBytes]
   uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kRows][kStride]
   uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs) + C::kQBytes;               // [kPlanRing][kDescBytes]
   int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
@@ -555,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
   const auto kv_tile = [&](int ci, int is_v) {
-    return kv_tiles + ((ci % C::kTileBufs) * 2 + is_v) * (C::kKVBytes / 2);
+    return kv_tiles + ((ci % kTB) * 2 + is_v) * (C::kKVBytes / 2);
   };
 
   if (warp >= kPlanner) {
@@ -616,7 +735,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   bool refused = false;
   // Each compute warp copies, and then rebuilds, blocks warp * kPerWarp.. of every chunk: its copies are its own to
   // wait for, and its staging bytes its own to reuse.
-  constexpr int kPerWarp = C::kBlocks / kComputeWarps;
+  constexpr int kPerWarp = C::kPerWarp;
+  const WarpOffsets<D> offsets = warp_offsets<D>(warp, lane);
   const auto issue_chunk = [&](int ci) {
     if (ci < chunks) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
@@ -633,11 +753,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
+    if constexpr ((kProbe & 16) && !(kProbe & 1)) {
+      refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
+                                        offsets, lane);
+    } else {
 #pragma unroll
-    for (int i = 0; i < kPerWarp; ++i) {
-      if (kProbe & 1) break;
-      const int j = warp * kPerWarp + i;
-      refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
+      for (int i = 0; i < kPerWarp; ++i) {
+        if (kProbe & 1) break;
+        const int j = warp * kPerWarp + i;
+        refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
+      }
     }
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
@@ -668,6 +793,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (r < chunks) rebuild_chunk(r);
     if (r + 1 < C::kAhead) issue_chunk(r + kS);
   }
+  if constexpr (kPing) {  // the V tile of slot kTB - 1 zeroed: warpgroup 1's P V of "chunk -1" (P = 0) reads it
+    uint4* z = reinterpret_cast<uint4*>(kv_tile(kTB - 1, 1));
+    for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
+    fence_proxy_async_smem();
+  }
   __syncthreads();  // chunks 0..kAhead - 1 rebuilt
   if constexpr (C::kWgmma) {
     // S of chunk ci + 1 is started before chunk ci's softmax, P V of chunk ci waited for after the rebuild of chunk
@@ -679,7 +809,35 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (!(kProbe & 4)) start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
     fence_registers(s_cur);
-    if (kProbe & 4) {
+    const int wg = __shfl_sync(0xFFFFFFFFu, warp / 4, 0);  // uniform to ptxas, as FlashAttention-3 does
+    if (kPing && wg == 1) {
+      // Warpgroup 1 half a step behind warpgroup 0: its P V of chunk ci - 1 and its rebuild first, then the softmax
+      // of chunk ci (while warpgroup 0 multiplies), then S of chunk ci + 1, in flight across the barrier.
+#pragma unroll
+      for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+      for (int ci = 0; ci < chunks; ++ci) {
+        issue_chunk(ci + C::kAhead - 1 + kS);
+        start_pv<D>(kv_tile(ci + kTB - 1, 1), lane, o, pa);
+        cp_async_wait<kS - 1>();
+        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        wgmma_wait_all();  // P V of chunk ci - 1, S of chunk ci
+        fence_registers(o);
+        fence_registers(s_cur);
+        fence_registers(pa);
+        const int64_t c0 = chunk_key(ci);
+        int rel_pos[2];
+        const int kv_rem = relative(c0, rel_pos);
+        const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
+        softmax_to_p<D, kCap>(p, s_cur, lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale, never used
+        __syncthreads();
+      }
+      start_pv<D>(kv_tile(chunks + kTB - 1, 1), lane, o, pa);
+      wgmma_wait_all();
+      fence_registers(o);
+      fence_registers(s_cur);
+      fence_registers(pa);
+    } else if (kProbe & 4) {
       for (int ci = 0; ci < chunks; ++ci) {
         issue_chunk(ci + C::kAhead - 1 + kS);
         cp_async_wait<kS - 1>();

@@ -30,7 +30,11 @@ void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
   const char* env = std::getenv("ZIPKV_PREFILL_PROBE");
   const int probe = env != nullptr ? std::atoi(env) : 0;
   if constexpr (D != 128) {
-    launch_probe<D, 0>(p, grid, stream);
+    if (probe & 16) {
+      launch_probe<D, 16>(p, grid, stream);
+    } else {
+      launch_probe<D, 0>(p, grid, stream);
+    }
   } else switch (probe) {
     case 1: launch_probe<D, 1>(p, grid, stream); break;
     case 2: launch_probe<D, 2>(p, grid, stream); break;
@@ -40,6 +44,12 @@ void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
     case 9: launch_probe<D, 9>(p, grid, stream); break;
     case 11: launch_probe<D, 11>(p, grid, stream); break;
     case 12: launch_probe<D, 12>(p, grid, stream); break;
+    case 16: launch_probe<D, 16>(p, grid, stream); break;
+    case 32: launch_probe<D, 32>(p, grid, stream); break;
+    case 48: launch_probe<D, 48>(p, grid, stream); break;
+    case 35: launch_probe<D, 35>(p, grid, stream); break;
+    case 20: launch_probe<D, 20>(p, grid, stream); break;
+    case 18: launch_probe<D, 18>(p, grid, stream); break;
     default: launch_probe<D, 0>(p, grid, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
