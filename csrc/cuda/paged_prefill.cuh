@@ -18,16 +18,16 @@
 // publishes the plan in shared memory ahead of its copy. Each compute warp copies its own blocks of a chunk (cp.async,
 // still compressed) kStages chunks ahead into a ring of staging buffers, and rebuilds the same blocks when they have
 // landed, kAhead chunks ahead of their multiply, into BF16 K/V tiles (block_io.cuh decode_lane: the lane's words in
-// mma A-operand order; stmatrix puts them in natural [token][dim] order). At head_dim 128 (wgmma) three tiles turn:
-// while chunk i's softmax runs on the SM's ALUs, S of chunk i + 1 runs on the tensor cores, and P V of chunk i under
-// the rebuild of chunk i + 2. (A single warp starting every copy, 32 blocks a chunk one after another, was the bound
-// at 3.5 us a chunk; with the copies, plans and rebuild of each chunk waited on in turn by the same 4 warps, three
-// barriers a chunk, the kernel ran at 80 TFLOP/s: docs/performance.md, "Prefill attention".) S = Q K^T and O += P V
-// follow FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q, K and V read by
-// descriptor from swizzled tiles, once per warpgroup of 64 rows), P from S's accumulators in registers, an
-// online softmax in float32 (base 2) per row, O rescaled only when a row's maximum rises by more than 2^8; the
-// position masks are computed only for a warp's chunks that cross the causal diagonal, a window edge or kv_len, in
-// 32-bit arithmetic relative to the chunk.
+// mma A-operand order; stmatrix puts them in natural [token][dim] order). At head_dim 128 (wgmma) four tiles turn and
+// the two warpgroups run half a step apart: while one's softmax runs on the SM's ALUs, the other's MMAs run on the
+// tensor cores beside its share of the rebuild of chunk i + 2 (the main loop says in which order). (A single warp
+// starting every copy, 32 blocks a chunk one after another, was the bound at 3.5 us a chunk; with the copies, plans and
+// rebuild of each chunk waited on in turn by the same 4 warps, three barriers a chunk, the kernel ran at 80 TFLOP/s:
+// docs/performance.md, "Prefill attention".) S = Q K^T and O += P V follow FlashAttention-2 (mma.sync: Q and K
+// fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q, K and V read by descriptor from swizzled tiles, once per
+// warpgroup of 64 rows), P from S's accumulators in registers, an online softmax in float32 (base 2) per row, O
+// rescaled only when a row's maximum rises by more than 2^8; the position masks are computed only for a warp's chunks
+// that cross the causal diagonal, a window edge or kv_len, in 32-bit arithmetic relative to the chunk.
 //
 // Bad device contents cannot raise without a host sync (paged_decode.cuh): a page id out of range, a meta row that
 // is missing, of another geometry or version, an invalid descriptor, a stream past the end of data, or an
@@ -89,23 +89,25 @@ struct Cfg {
   static constexpr bool kWgmma = D == 128;
   static constexpr int kKV = D == 256 ? 32 : 64;  // key tokens per chunk (d 256: registers and shared memory)
   static constexpr int kTiles = kKV / kTileTokens;
-  static constexpr int kSpans = D / kBlockDims;        // blocks per 16-token tile, of K and of V each
-  static constexpr int kBlocks = 2 * kTiles * kSpans;  // blocks per chunk
+  static constexpr int kSpans = D / kBlockDims;             // blocks per 16-token tile, of K and of V each
+  static constexpr int kBlocks = 2 * kTiles * kSpans;       // blocks per chunk
+  static constexpr int kPerWarp = kBlocks / kComputeWarps;  // blocks a compute warp copies and rebuilds
   // How many chunks ahead of its multiply a chunk is rebuilt: with wgmma 2, so that S of chunk i + 1 runs on the
-  // tensor cores under chunk i's softmax and P V of chunk i under the rebuild of chunk i + 2 (three K/V tiles; two
-  // staging buffers make the room); else 1 (two tiles).
+  // tensor cores under chunk i's softmax and P V of chunk i under the rebuild of chunk i + 2 (two staging buffers
+  // make the room); else 1 (two tiles). With wgmma a fourth K/V tile pair holds chunk i - 1 for warpgroup 1, which
+  // runs half a step behind warpgroup 0 (the kernel's main loop).
   static constexpr int kAhead = kWgmma ? 2 : 1;
-  static constexpr int kTileBufs = kAhead + 1;                // K/V tile pairs
-  static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;  // staging buffers: chunks copied ahead
+  static constexpr int kTileBufs = kWgmma ? kAhead + 2 : kAhead + 1;  // K/V tile pairs
+  static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;          // staging buffers: chunks copied ahead
   static constexpr int kStride = D + 8;  // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
   static constexpr int kStageBytes = kBlocks * kRawBlockBytes;
-  static constexpr int kQBytes = kRows * kStride * 2;
-  static constexpr int kKVBytes = kKV * (kWgmma ? D : kStride) * 2;  // one K or V tile
+  static constexpr int kQBytes = kRows * (kWgmma ? D : kStride) * 2;  // wgmma: swizzled, unpadded
+  static constexpr int kKVBytes = kKV * (kWgmma ? D : kStride) * 2;   // one K or V tile
   static constexpr int kDescBytes = 32;
   static constexpr int kAlign = kWgmma ? 1024 : 0;  // slack to align the tiles' swizzle atoms
   static constexpr int kSmemBytes =
       kAlign + 2 * kTileBufs * kKVBytes + kStages * kStageBytes + kQBytes + kPlanRing * (kDescBytes + 8 * kMaxBlocks);
-  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && D == 128),
+  static_assert(!kWgmma || (kKVBytes % 1024 == 0 && kStageBytes % 1024 == 0 && kQBytes % 1024 == 0 && D == 128),
                 "whole swizzle atoms per tile (K, V and Q, which follows the staging), O as m64n128");
   static_assert(kBlocks <= kMaxBlocks && kBlocks <= kDescBytes, "a planner lane plans each block of a chunk");
   static_assert(kBlocks % kComputeWarps == 0, "the compute warps share a chunk's rebuild evenly");
@@ -162,21 +164,11 @@ __device__ __forceinline__ float tanh_approx(float x) {
 // by the row (wgmma.cuh); else rows of kStride.
 template <int D, int kTileRows = Cfg<D>::kKV>
 __device__ __forceinline__ int tile_offset(int token, int dim) {
-  if constexpr (Cfg<D>::kWgmma) {
-    return (dim / 64) * (kTileRows * 64) + token * 64 + (((dim % 64) / 8) ^ (token % 8)) * 8;
+  if constexpr (Cfg<D>::kWgmma) {  // unsigned: the divisions are shifts, with no fix-up for a sign
+    const unsigned t = token, d = dim;
+    return static_cast<int>((d / 64) * (kTileRows * 64) + t * 64 + (((d % 64) / 8) ^ (t % 8)) * 8);
   } else {
     return token * Cfg<D>::kStride + dim;
-  }
-}
-
-// block_io.cuh's store_lane_words into a tile: the block of tokens tok0.. and dims dim0.. (32 dims).
-template <int D>
-__device__ __forceinline__ void store_block(uint16_t* tile, int is_v, int lane, const uint32_t w[8], int tok0,
-                                            int dim0) {
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const FragmentRow f = fragment_row(is_v, c, lane);
-    stmatrix_x4(smem_u32(tile + tile_offset<D>(tok0 + f.row, dim0 + 8 * f.chunk)), is_v, w + 4 * c);
   }
 }
 
@@ -184,8 +176,10 @@ __device__ __forceinline__ void store_block(uint16_t* tile, int is_v, int lane, 
 template <int D>
 struct BlockOf {
   int tile, is_v, span;
-  __device__ __forceinline__ explicit BlockOf(int j)
-      : tile(j / (2 * Cfg<D>::kSpans)), is_v((j / Cfg<D>::kSpans) % 2), span(j % Cfg<D>::kSpans) {}
+  __device__ __forceinline__ explicit BlockOf(int j)  // j >= 0: unsigned, so that each division is a shift
+      : tile(static_cast<int>(static_cast<unsigned>(j) / (2 * Cfg<D>::kSpans))),
+        is_v(static_cast<int>(static_cast<unsigned>(j) / Cfg<D>::kSpans % 2)),
+        span(static_cast<int>(static_cast<unsigned>(j) % Cfg<D>::kSpans)) {}
 };
 
 // The page id of block j of the chunk at c0, loaded ahead of its plan; -1 past the CTA's keys [.., hi).
@@ -277,45 +271,106 @@ __device__ __forceinline__ void issue_block(const Params& p, uint32_t desc, int6
   }
 }
 
-// Rebuilds staged block j into bf16 in the K or V tile (tile_offset's layout): the lane's 8 words in position order
-// (format.h), which are its fragments of four 8x8 matrices of the block, go out by two stmatrix (store_block). Values
-// of tokens at or past kv_len are zeroed in V (an open page's free slots may hold any bit pattern, and 0 * NaN would
-// poison O although their weight is 0).
+// A compute warp's blocks of a chunk, j = warp * kPerWarp + i for i < kPerWarp, rebuilt from their staging into bf16
+// in the K or V tile (tile_offset's layout): the lane's 8 words in position order (format.h), which are its fragments
+// of four 8x8 matrices of the block, go out by two stmatrix. Values of tokens at or past kv_len are zeroed in V (an
+// open page's free slots may hold any bit pattern, and 0 * NaN would poison O although their weight is 0). In one
+// unrolled line (~50 SASS instructions a compressed block at d 128 where a loop of blocks took ~120): the warp's
+// blocks are consecutive spans of one K or V 16-token tile (kPerWarp <= kSpans), so block i's place in the tile is
+// the lane's offset for the warp's first block (off0[c], c: the stmatrix call) plus a constant: kBlockDims * i, or
+// with the swizzle (where the warp's blocks start at span 0) the column block i / 2 and, for an odd span, bit 2 of
+// the 16-byte chunk index flipped (chunk indices below 4 ^ 4: the offset ^ 32).
 template <int D>
-__device__ __forceinline__ bool rebuild_block(int j, int64_t c0, int64_t kv_len, const uint8_t* stage,
-                                              const uint8_t* descs, uint16_t* ks, uint16_t* vs, int lane) {
-  const BlockOf<D> blk(j);
-  const int tile = blk.tile, is_v = blk.is_v, span = blk.span;
-  const uint8_t desc = descs[j];
-  const uint8_t* src = stage + j * kRawBlockBytes;
-  uint32_t w[8];
-  if (desc == kDescSkip || desc == kDescBad) {
+struct WarpOffsets {
+  int off0[2];
+};
+template <int D>
+__device__ __forceinline__ WarpOffsets<D> warp_offsets(int warp, int lane) {
+  using C = Cfg<D>;
+  const BlockOf<D> blk(warp * C::kPerWarp);
+  WarpOffsets<D> l;
 #pragma unroll
-    for (int m = 0; m < 8; ++m) w[m] = 0;
-  } else if (desc == kDescRaw) {
-    const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
-    const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
-    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
-  } else {
-    decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
-                *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
+  for (int c = 0; c < 2; ++c) {
+    const FragmentRow f = fragment_row(blk.is_v, c, lane);
+    l.off0[c] = tile_offset<D>(blk.tile * kTileTokens + f.row, blk.span * kBlockDims + 8 * f.chunk);
   }
-  uint16_t* const dst = is_v ? vs : ks;
-  store_block<D>(dst, is_v, lane, w, tile * kTileTokens, span * kBlockDims);
-  const int64_t tok = c0 + int64_t{tile} * kTileTokens;
-  if (is_v && desc != kDescSkip && tok + kTileTokens > kv_len) {
-    __syncwarp();
-    const int valid = static_cast<int>(kv_len - tok);  // in [1, 16): the tile holds kv_len's last tokens
-    // 16 rows x 4 pieces of 16 bytes; lane k zeroes pieces k and k + 32 where their row is past kv_len.
+  return l;
+}
+template <int D, int kSpan>
+__device__ __forceinline__ int span_offset(int off0) {
+  if constexpr (Cfg<D>::kWgmma) {
+    return (kSpan / 2) * (Cfg<D>::kKV * 64) + (off0 ^ (32 * (kSpan % 2)));
+  } else {
+    return off0 + kBlockDims * kSpan;
+  }
+}
+template <int D>
+__device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_t kv_len, const uint8_t* stage,
+                                                    const uint8_t* descs, uint16_t* ks, uint16_t* vs,
+                                                    const WarpOffsets<D>& l, int lane) {
+  using C = Cfg<D>;
+  constexpr int kPer = C::kPerWarp;
+  static_assert(C::kSpans % kPer == 0 && kPer <= 4 && (!C::kWgmma || kPer == C::kSpans),
+                "a warp's blocks: spans of one tile, from span 0 under the swizzle");
+  const int j0 = warp * kPer;
+  const BlockOf<D> blk(j0);
+  uint32_t dw;  // the warp's descriptor bytes
+  if constexpr (kPer == 4) {
+    dw = *reinterpret_cast<const uint32_t*>(descs + j0);
+  } else {
+    dw = *reinterpret_cast<const uint16_t*>(descs + j0);
+  }
+  const uint8_t* base = stage + j0 * kRawBlockBytes;
+  uint16_t* const dst = blk.is_v ? vs : ks;
+  bool refused = false;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int piece = lane + 32 * k, row = piece / 4;
-      if (row < valid) continue;
-      *reinterpret_cast<uint4*>(dst + tile_offset<D>(tile * kTileTokens + row, span * kBlockDims + (piece % 4) * 8)) =
-          make_uint4(0, 0, 0, 0);
+  for (int i = 0; i < kPer; ++i) {
+    const uint8_t desc = static_cast<uint8_t>(dw >> (8 * i));
+    const uint8_t* src = base + i * kRawBlockBytes;
+    uint32_t w[8];
+    if (desc == kDescSkip || desc == kDescBad) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) w[m] = 0;
+    } else if (desc == kDescRaw) {
+      const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+      const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    } else {
+      decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
+                  *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
+    }
+    refused |= desc == kDescBad;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      int off;
+      switch (i) {  // a constant after unrolling
+        case 0: off = span_offset<D, 0>(l.off0[c]); break;
+        case 1: off = span_offset<D, 1>(l.off0[c]); break;
+        case 2: off = span_offset<D, 2>(l.off0[c]); break;
+        default: off = span_offset<D, 3>(l.off0[c]); break;
+      }
+      stmatrix_x4(smem_u32(dst + off), blk.is_v, w + 4 * c);
     }
   }
-  return desc == kDescBad;
+  // The V tail: where the warp's tile holds kv_len's last tokens (the last chunk only), its rows past kv_len are
+  // zeroed, 16 rows x 4 pieces of 16 bytes a block, lane k zeroing pieces k and k + 32.
+  const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
+  if (blk.is_v && tok + kTileTokens > kv_len && tok < kv_len) {
+    __syncwarp();
+    const int valid = static_cast<int>(kv_len - tok);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int piece = lane + 32 * k, row = piece / 4;
+        if (row < valid) continue;
+        *reinterpret_cast<uint4*>(
+            dst + tile_offset<D>(blk.tile * kTileTokens + row, (blk.span + i) * kBlockDims + (piece % 4) * 8)) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+  return refused;
 }
 
 // ---------------------------------------------------------------------------------------------- the kernel
@@ -427,32 +482,36 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
   }
 }
 
-// One compute warp's 16 rows: O += softmax(S) V over one chunk (S from start_scores, the V tile vs), the online
-// softmax state carried in m_run and l_run. masked: the chunk crosses the causal diagonal, a window edge or kv_len for
-// some row of the warp; rel_pos: the rows' positions relative to the chunk's first key (clamped), kv_rem: kv_len
-// minus that key (clamped). With wgmma the four warps of a warpgroup call it together, S has landed, and P V is only
-// started: the caller waits for it, and keeps P's fragments (pa, P V's A operand, read until then) alive to there.
+// One compute warp's 16 rows of a chunk: S (from start_scores) becomes P, the A operand of P V (pa), by the online
+// softmax, its state carried in m_run and l_run (O rescaled where a row's maximum rises). masked: the chunk crosses
+// the causal diagonal, a window edge or kv_len for some row of the warp; rel_pos: the rows' positions relative to the
+// chunk's first key (clamped), kv_rem: kv_len minus that key (clamped).
 template <int D, bool kCap>
-__device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], const uint16_t* vs,
-                                             int lane, bool masked, const int rel_pos[2], int kv_rem,
-                                             float (&o)[D / 8][4], float m_run[2], float l_run[2],
-                                             uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+__device__ __forceinline__ void softmax_to_p(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], int lane, bool masked,
+                                             const int rel_pos[2], int kv_rem, float (&o)[D / 8][4], float m_run[2],
+                                             float l_run[2], uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
   using C = Cfg<D>;
   const int t = lane % 4;
-
   if (masked) {
     online_softmax<D, kCap, true>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
   } else {
     online_softmax<D, kCap, false>(p, s, t, rel_pos, kv_rem, o, m_run, l_run);
   }
-
-  // O += P V: P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
+  // P's accumulators are the A operand as they stand (two n-tiles of 8 keys = one k-step of 16).
 #pragma unroll
   for (int kk = 0; kk < C::kKV / 16; ++kk) {
     pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
     pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
     pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
+}
+
+// O += P V over one chunk (the V tile vs). With wgmma the four warps of a warpgroup call it together and the MMAs
+// are only started: the caller waits for them, and keeps pa alive to there.
+template <int D>
+__device__ __forceinline__ void start_pv(const uint16_t* vs, int lane, float (&o)[D / 8][4],
+                                         uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+  using C = Cfg<D>;
   if constexpr (C::kWgmma) {
     // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
     const uint32_t vb = smem_u32(vs);
@@ -477,6 +536,15 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
   }
 }
 
+template <int D, bool kCap>
+__device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], const uint16_t* vs,
+                                             int lane, bool masked, const int rel_pos[2], int kv_rem,
+                                             float (&o)[D / 8][4], float m_run[2], float l_run[2],
+                                             uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+  softmax_to_p<D, kCap>(p, s, lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+  start_pv<D>(vs, lane, o, pa);
+}
+
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
 template <int D, bool kCap>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
@@ -488,8 +556,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   uint8_t* smem = smem_raw + (kA - smem_u32(smem_raw) % kA) % kA;
   uint16_t* kv_tiles = reinterpret_cast<uint16_t*>(smem);                                 // [kTileBufs][K, V][kKVBytes]
   uint8_t* stages = smem + 2 * C::kTileBufs * C::kKVBytes;                                // [kS][kStageBytes]
-  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kRows][kStride]
-  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs + kRows * C::kStride);               // [kPlanRing][kDescBytes]
+  uint16_t* qs = reinterpret_cast<uint16_t*>(stages + kS * C::kStageBytes);               // [kQBytes]
+  uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs) + C::kQBytes;                       // [kPlanRing][kDescBytes]
   int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
   __shared__ int s_request, s_tile, s_bad;
 
@@ -603,7 +671,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   bool refused = false;
   // Each compute warp copies, and then rebuilds, blocks warp * kPerWarp.. of every chunk: its copies are its own to
   // wait for, and its staging bytes its own to reuse.
-  constexpr int kPerWarp = C::kBlocks / kComputeWarps;
+  constexpr int kPerWarp = C::kPerWarp;
+  const WarpOffsets<D> offsets = warp_offsets<D>(warp, lane);
   const auto issue_chunk = [&](int ci) {
     if (ci < chunks) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
@@ -619,11 +688,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
-#pragma unroll
-    for (int i = 0; i < kPerWarp; ++i) {
-      const int j = warp * kPerWarp + i;
-      refused |= rebuild_block<D>(j, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1), lane);
-    }
+    refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
+                                      offsets, lane);
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
@@ -653,37 +719,74 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (r < chunks) rebuild_chunk(r);
     if (r + 1 < C::kAhead) issue_chunk(r + kS);
   }
+  if constexpr (C::kWgmma) {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
+    uint4* z = reinterpret_cast<uint4*>(kv_tile(C::kTileBufs - 1, 1));
+    for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
+    fence_proxy_async_smem();
+  }
   __syncthreads();  // chunks 0..kAhead - 1 rebuilt
   if constexpr (C::kWgmma) {
-    // S of chunk ci + 1 is started before chunk ci's softmax, P V of chunk ci waited for after the rebuild of chunk
-    // ci + 2; every warpgroup runs every chunk's MMAs (a chunk it does not reach, or rows past the tile's, is masked
-    // whole, its results unused), so that no MMA is issued or waited for under a branch: ptxas serializes wgmma that
-    // it cannot prove uniform.
-    float s_cur[C::kKV / 8][4], s_next[C::kKV / 8][4];
+    // The two warpgroups run half a step apart, so that one's softmax runs under the other's MMAs and rebuild (FA3's
+    // ping-pong, here within the one barrier a chunk). Warpgroup 0 in step ci: S of chunk ci + 1 started, chunk ci's
+    // softmax, its P V started, the rebuild of chunk ci + 2, then both waited for. Warpgroup 1: P V of chunk ci - 1
+    // started (the fourth tile pair holds it; "chunk -1" is P = 0 times a zeroed V tile), the rebuild, both waited
+    // for (with S of chunk ci, started the step before), chunk ci's softmax, then S of chunk ci + 1 started, in
+    // flight across the barrier. Every warpgroup runs every chunk's MMAs (a chunk it does not reach, or rows past the
+    // tile's, is masked whole, its results unused), so that no MMA is issued or waited for under a branch: ptxas
+    // serializes wgmma that it cannot prove uniform (the branch between the warpgroups is on a value made uniform by
+    // a shuffle, as FA3 does).
+    float s_cur[C::kKV / 8][4];
     uint32_t pa[C::kKV / 16][4];
     start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
     fence_registers(s_cur);
-    for (int ci = 0; ci < chunks; ++ci) {
-      issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
-      start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);  // past the last chunk: stale bytes, never used
-      const int64_t c0 = chunk_key(ci);
-      int rel_pos[2];
-      const int kv_rem = relative(c0, rel_pos);
-      const bool masked = chunk_none(c0) || !unit_active || chunk_masked(c0);
-      attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
-      cp_async_wait<kS - 1>();  // chunk ci + 2, copied a step ago
-      if (ci + 2 < chunks) rebuild_chunk(ci + 2);
-      wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
-      fence_registers(o);
-      fence_registers(s_next);
-      fence_registers(pa);
+    const auto masked_at = [&](int64_t c0) { return chunk_none(c0) || !unit_active || chunk_masked(c0); };
+    if (__shfl_sync(0xFFFFFFFFu, warp / 4, 0) == 1) {
 #pragma unroll
-      for (int n = 0; n < C::kKV / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
+      for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+      for (int ci = 0; ci < chunks; ++ci) {
+        issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
+        start_pv<D>(kv_tile(ci + C::kTileBufs - 1, 1), lane, o, pa);  // chunk ci - 1
+        cp_async_wait<kS - 1>();                                      // chunk ci + 2, copied a step ago
+        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        wgmma_wait_all();  // P V of chunk ci - 1, S of chunk ci
+        fence_registers(o);
+        fence_registers(s_cur);
+        fence_registers(pa);
+        const int64_t c0 = chunk_key(ci);
+        int rel_pos[2];
+        const int kv_rem = relative(c0, rel_pos);
+        softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale bytes, never used
+        __syncthreads();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
       }
-      __syncthreads();  // chunk ci + 2 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 2 published
+      start_pv<D>(kv_tile(chunks + C::kTileBufs - 1, 1), lane, o, pa);  // the last chunk
+      wgmma_wait_all();
+      fence_registers(o);
+      fence_registers(s_cur);
+      fence_registers(pa);
+    } else {
+      float s_next[C::kKV / 8][4];
+      for (int ci = 0; ci < chunks; ++ci) {
+        issue_chunk(ci + C::kAhead - 1 + kS);
+        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
+        const int64_t c0 = chunk_key(ci);
+        int rel_pos[2];
+        const int kv_rem = relative(c0, rel_pos);
+        attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        cp_async_wait<kS - 1>();
+        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
+        fence_registers(o);
+        fence_registers(s_next);
+        fence_registers(pa);
+#pragma unroll
+        for (int n = 0; n < C::kKV / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
+        }
+        __syncthreads();
+      }
     }
   } else {
     for (int ci = 0; ci < chunks; ++ci) {

@@ -48,7 +48,13 @@ bash .box/box.sh build >/dev/null; echo "rebuilt at $SECONDS s"
 timeout $((${LIMIT:-500} - SECONDS)) python3 -m pytest test/test_engine_cuda.py test/test_decode_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
   | tee "$OUT/tests/engine_decode.log" | grep -v "Warn\|warn" | tail -6
 echo "all $SECONDS s"
-# ---- .box/run41.sh (not yet run)
+# ---- .box/run41.sh: call 2 (a second session, 02:45 UTC), kind nvidia-h100-x1, an H100 80GB HBM3, on 594c920:
+#   COMMIT=594c920 OUT=$OUT timeout 570 bash .box/run41.sh  (302 s)
+#   -> producer (f2af5c9): 71 prefill tests pass; bench_prefill --quick (bench_prefill_producer.json): 512 x 8K x 1
+#      481.6 us against FlashInfer's 128.9 (0.268x; main 309 us), batch 8 3,651 against 927 (0.254x), raw 0.283x.
+#      lean (b5eafe0): tests pass; 399.2 us (raw 378.1), batch 8 2,990. probe1 (the producer rebuilds nothing):
+#      303.8 us; probe2 (the compute warps multiply nothing): 309.5 us (probe_prefill_producer.json). Both sides of
+#      the split run alone at about main's whole time, and together at 1.3x it: not kept.
 # One call for the prefill experiments, on main (their code reverted in ff7df29) with three patches made here first:
 #   git diff ff7df29 f2af5c9 -- csrc > .box/producer.patch   # the producer warpgroup
 #   git diff ff7df29 b5eafe0 -- csrc > .box/lean.patch       # the same with the lean rebuild
@@ -88,3 +94,50 @@ for variant in producer lean probe1 probe2; do
 done
 git checkout -q csrc; rm -f csrc/cuda/mbarrier.cuh
 # probe_prefill.py lies beside this file.
+# ---- .box/run42.sh: call 3, 02:57 UTC, kind nvidia-h200 (an H100 80GB HBM3 came), on 08f7e2f (branch
+# exp/prefill-probes-3: main's kernel with ZIPKV_PREFILL_PROBE chosen at launch; bits 1 no rebuild, 2 no copies, 4 no
+# MMA or softmax, 8 a third staging buffer; Q unpadded at d 128):  OUT=$OUT timeout 560 bash .box/run42.sh  (220 s)
+#   -> probe_main_kernel.json; 512 x 8K x 1, real-like (raw), FlashInfer 130 us in the same run:
+#      all 313.9 (293.9); a third stage 317.3; no rebuild 229.2; no copies 249.8; neither (MMA, softmax, barriers):
+#      199.0; no MMA or softmax (copies and rebuild): 173.1. Batch 8: 2,330 / 2,375 / 1,743 / 1,897 / 1,448 / 1,318.
+#      Tests (subset, 71) pass at probes 0 and 8.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+SUBSET="mixed_pages or long_queries or real_kv or bad_device or larger_pages"
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+for pr in 0 8; do
+  ZIPKV_PREFILL_PROBE=$pr timeout 80 python3 -m pytest test/test_paged_prefill_cuda.py -q -x -p no:cacheprovider -n 8 -rfE \
+    -k "$SUBSET" 2>&1 | tee "$OUT/tests_probe$pr.log" | grep -v "Warn\|warn" | tail -3
+done
+timeout 300 python3 .box/probe3.py "$OUT/probe3.json" 0 8 3 11 1 9 4 12 2 2>&1 | grep -v "Warn\|warn" | tail -30
+# ---- .box/run43.sh: call 4, 03:33 UTC, kind left out, an H100 80GB HBM3, on c0bb123 (branch exp/prefill-probes-3,
+# merged into main's history by 72f3755; bit 16 the lean rebuild at every head_dim, bit 32 the warpgroups half a step
+# apart at d 128): OUT=$OUT LIMIT=330 timeout 345 bash .box/run43.sh  (208 s)
+#   -> probe_lean_pingpong.json; 512 x 8K x 1 real-like (raw), FlashInfer 130.3-130.8 us in the same run: main 316.1
+#      (294.6); lean 289.3 (271.8); lean + half a step apart 274.6 (259.9), 0.475x (0.502x); half a step apart with the
+#      old rebuild 386.5 (it spills 20 bytes); half a step apart without rebuild or copies 219.2 (199.0 in step, call
+#      3). Batch 8: 2,341 / 2,142 / 2,067 (0.449x) / 2,799 / 1,503, FlashInfer 922-930. test_paged_prefill_cuda.py:
+#      168 passed with 16 and with 48. 48 is main's kernel since (the same SASS but for 8 of 7,800 instructions).
+#   03:05-03:32 UTC: five calls got no machine (about 780 s); 263 s of the budget were left after call 4.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+SUBSET="mixed_pages or long_queries or real_kv or bad_device or larger_pages"
+LIMIT=${LIMIT:-370}
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+for pr in 48 16; do
+  ZIPKV_PREFILL_PROBE=$pr timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -q -x -p no:cacheprovider -n 8 -rfE \
+    -k "$SUBSET" 2>&1 | grep -v "Warn\|warn" | tail -2
+done
+timeout 120 python3 .box/probe3.py "$OUT/probe3b.json" 0 16 48 32 35 2>&1 | grep -v "Warn\|warn" | tail -12
+for pr in 16 48; do
+  left=$((LIMIT - SECONDS)); [ $left -gt 30 ] || break
+  ZIPKV_PREFILL_PROBE=$pr timeout $left python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -rfE \
+    2>&1 | tee "$OUT/tests_full_probe$pr.log" | grep -v "Warn\|warn" | tail -3
+done
+# probe3.py lies beside this file.
