@@ -546,7 +546,9 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 }
 
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
-template <int D, bool kCap>
+// PROBE bits (experiment, d 128): 1 no rebuild, 2 no copies, 4 no softmax (P = S packed), 8 no P V, 16 no S in the
+// main loop, 32 no barrier in the main loop (with 1 and 2 only), 64 the warpgroups in step (no ping-pong).
+template <int D, bool kCap, int kProbe = 0>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
   constexpr int kS = C::kStages;
@@ -679,6 +681,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
 #pragma unroll
       for (int i = 0; i < kPerWarp; ++i) {
+        if (kProbe & 2) break;
         const int j = warp * kPerWarp + i;
         issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
       }
@@ -688,8 +691,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
-    refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
-                                      offsets, lane);
+    if (!(kProbe & 1))
+      refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
+                                        offsets, lane);
     if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
   };
 
@@ -741,12 +745,34 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     wgmma_wait_all();
     fence_registers(s_cur);
     const auto masked_at = [&](int64_t c0) { return chunk_none(c0) || !unit_active || chunk_masked(c0); };
-    if (__shfl_sync(0xFFFFFFFFu, warp / 4, 0) == 1) {
+    const auto soft = [&](bool masked, const int rel_pos[2], int kv_rem) {
+      if constexpr (kProbe & 4) {
+#pragma unroll
+        for (int kk = 0; kk < C::kKV / 16; ++kk) {
+          pa[kk][0] = pack_bf16(s_cur[2 * kk][0], s_cur[2 * kk][1]);
+          pa[kk][1] = pack_bf16(s_cur[2 * kk][2], s_cur[2 * kk][3]);
+          pa[kk][2] = pack_bf16(s_cur[2 * kk + 1][0], s_cur[2 * kk + 1][1]);
+          pa[kk][3] = pack_bf16(s_cur[2 * kk + 1][2], s_cur[2 * kk + 1][3]);
+        }
+      } else {
+        softmax_to_p<D, kCap>(p, s_cur, lane, masked, rel_pos, kv_rem, o, m_run, l_run, pa);
+      }
+    };
+    const auto pv = [&](const uint16_t* vs) {
+      if constexpr (!(kProbe & 8)) start_pv<D>(vs, lane, o, pa);
+    };
+    const auto scores = [&](const uint16_t* ks, float (&s)[C::kKV / 8][4]) {
+      if constexpr (!(kProbe & 16)) start_scores<D>(qs, ks, warp, lane, s);
+    };
+    const auto step_barrier = [&] {
+      if constexpr (!(kProbe & 32)) __syncthreads();
+    };
+    if (!(kProbe & 64) && __shfl_sync(0xFFFFFFFFu, warp / 4, 0) == 1) {
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       for (int ci = 0; ci < chunks; ++ci) {
         issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
-        start_pv<D>(kv_tile(ci + C::kTileBufs - 1, 1), lane, o, pa);  // chunk ci - 1
+        pv(kv_tile(ci + C::kTileBufs - 1, 1));  // chunk ci - 1
         cp_async_wait<kS - 1>();                                      // chunk ci + 2, copied a step ago
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // P V of chunk ci - 1, S of chunk ci
@@ -756,9 +782,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
-        softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
-        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale bytes, never used
-        __syncthreads();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
+        soft(masked_at(c0), rel_pos, kv_rem);
+        scores(kv_tile(ci + 1, 0), s_cur);
+        step_barrier();
       }
       start_pv<D>(kv_tile(chunks + C::kTileBufs - 1, 1), lane, o, pa);  // the last chunk
       wgmma_wait_all();
@@ -769,11 +795,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       float s_next[C::kKV / 8][4];
       for (int ci = 0; ci < chunks; ++ci) {
         issue_chunk(ci + C::kAhead - 1 + kS);
-        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
+        scores(kv_tile(ci + 1, 0), s_next);
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
-        attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        soft(masked_at(c0), rel_pos, kv_rem);
+        pv(kv_tile(ci, 1));
         cp_async_wait<kS - 1>();
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
@@ -785,7 +812,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
           for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
         }
-        __syncthreads();
+        step_barrier();
       }
     }
   } else {
