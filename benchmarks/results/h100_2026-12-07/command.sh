@@ -141,3 +141,30 @@ for pr in 16 48; do
     2>&1 | tee "$OUT/tests_full_probe$pr.log" | grep -v "Warn\|warn" | tail -3
 done
 # probe3.py lies beside this file.
+# ---- .box/run45.sh (not yet run: the device time was spent). On 2d52d65 (branch exp/prefill-probes-4, merged into
+# main's history): main's kernel with probe builds chosen at launch (d 128, no soft cap; ZIPKV_PREFILL_PROBE bits
+# 1 no rebuild, 2 no copies, 4 no softmax, 8 no P V, 16 no S, 32 no barrier, 64 the warpgroups in step). It runs the
+# CUDA prefill and engine tests on the landed code (probe 0, the same code as main), splits the multiply's 199 us
+# (probes 3, 7, 11, 19, 35, 67, 99) and takes an ncu stall profile of the landed kernel. About 6 min on an H100:
+#   git checkout 2d52d65 && OUT=$OUT timeout 560 bash .box/run45.sh   (.box/probe3.py = probe3.py here,
+#   .box/ncu_prefill.py = ../h100_2026-12-06/ncu_prefill.py)
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+echo "built at $SECONDS s"
+timeout 90 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE \
+  2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -3
+echo "tested at $SECONDS s"
+timeout 200 python3 .box/probe3.py "$OUT/probe4.json" ${PROBES:-0 3 7 11 19 35 67 99 64 12 1 2} 2>&1 \
+  | grep -v "Warn\|warn" | tail -26
+echo "timed at $SECONDS s"
+timeout 120 ncu --clock-control none --set full --import-source no -k regex:paged_prefill -s 2 -c 1 -o $OUT/prefill \
+  python3 .box/ncu_prefill.py > $OUT/ncu.log 2>&1; tail -2 $OUT/ncu.log
+ncu -i $OUT/prefill.ncu-rep --page details > $OUT/details.txt 2>&1
+ncu -i $OUT/prefill.ncu-rep --page source --csv --print-source sass > $OUT/sass.csv 2>&1
+grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible" $OUT/details.txt | head -12
+rm -f "$OUT/gpu.txt" "$OUT/prefill.ncu-rep"
+echo "all $SECONDS s"
