@@ -547,7 +547,8 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
 // PROBE bits (experiment, d 128): 1 no rebuild, 2 no copies, 4 no softmax (P = S packed), 8 no P V, 16 no S in the
-// main loop, 32 no barrier in the main loop (with 1 and 2 only), 64 the warpgroups in step (no ping-pong).
+// main loop, 32 no barrier in the main loop (with 1 and 2 only), 64 the warpgroups in step (no ping-pong), 128 the
+// planner's three idle warps start the copies.
 template <int D, bool kCap, int kProbe = 0>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
@@ -618,7 +619,32 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
-      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      if constexpr ((kProbe & 128) && C::kWgmma) {
+        // PROBE 128: these three warps start the copies from chunk kS + kAhead - 1 on, chunk ci + 3 in step ci, and
+        // wait for them before the step's barrier (the compute warps rebuild it in step ci + 1).
+        const int cw = warp - kPlanner - 1;
+        __syncthreads();  // the plans of chunks 0..kLead - 1 published
+        __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+        for (int ci = 0; ci < chunks; ++ci) {
+          const int c = ci + C::kAhead - 1 + kS;
+          if (c < chunks) {
+            const uint8_t* descs = desc_ring + c % kPlanRing * C::kDescBytes;
+            const int64_t* srcs = src_ring + c % kPlanRing * kMaxBlocks;
+            uint8_t* stage = stages + c % kS * C::kStageBytes;
+#pragma unroll
+            for (int i = 0; i < (C::kBlocks + 2) / 3; ++i) {
+              const int j = cw + 3 * i;
+              if (j < C::kBlocks) issue_block(p, descs[j], srcs[j], stage + j * kRawBlockBytes, lane);
+            }
+          }
+          cp_async_commit();
+          cp_async_wait<0>();
+          __syncthreads();
+        }
+        __syncthreads();  // the compute warps' refusal flags
+      } else {
+        for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      }
       return;
     }
     // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
@@ -675,7 +701,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // wait for, and its staging bytes its own to reuse.
   constexpr int kPerWarp = C::kPerWarp;
   const WarpOffsets<D> offsets = warp_offsets<D>(warp, lane);
+  constexpr bool kCopiers = (kProbe & 128) && C::kWgmma;
   const auto issue_chunk = [&](int ci) {
+    if (kCopiers && ci >= kS + C::kAhead - 1) return;  // the copier warps' (no group: the waits below are for 0)
     if (ci < chunks) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
@@ -771,9 +799,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       for (int ci = 0; ci < chunks; ++ci) {
-        issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
-        pv(kv_tile(ci + C::kTileBufs - 1, 1));  // chunk ci - 1
-        cp_async_wait<kS - 1>();                                      // chunk ci + 2, copied a step ago
+        issue_chunk(ci + C::kAhead - 1 + kS);    // into the staging chunk ci + 1 left
+        pv(kv_tile(ci + C::kTileBufs - 1, 1));   // chunk ci - 1
+        cp_async_wait<kCopiers ? 0 : kS - 1>();  // chunk ci + 2, copied a step ago
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // P V of chunk ci - 1, S of chunk ci
         fence_registers(o);
@@ -801,7 +829,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         const int kv_rem = relative(c0, rel_pos);
         soft(masked_at(c0), rel_pos, kv_rem);
         pv(kv_tile(ci, 1));
-        cp_async_wait<kS - 1>();
+        cp_async_wait<kCopiers ? 0 : kS - 1>();
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
         fence_registers(o);

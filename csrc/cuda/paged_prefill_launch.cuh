@@ -38,6 +38,7 @@ void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
         case 64: launch_probe<D, 64>(p, grid, stream); break;
         case 67: launch_probe<D, 67>(p, grid, stream); break;
         case 99: launch_probe<D, 99>(p, grid, stream); break;
+        case 128: launch_probe<D, 128>(p, grid, stream); break;
         default: TORCH_CHECK(false, "ZIPKV_PREFILL_PROBE: no build ", probe);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
