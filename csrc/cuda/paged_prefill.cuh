@@ -550,9 +550,16 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 // main loop, 32 no barrier in the main loop (with 1 and 2 only), 64 the warpgroups in step (no ping-pong), 128 the
 // planner's three idle warps start the copies.
 template <int D, bool kCap, int kProbe = 0>
-__global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
+__global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
   constexpr int kS = C::kStages;
+  // PROBE 256 (d 128): 16 warps; the 8 past the compute warps (the first also the planner) copy and rebuild, 4 blocks
+  // each, while the compute warps only multiply; the same one barrier a step. Registers: 200 a compute thread, 56 a
+  // producer thread (the launch gives 512 x 128).
+  constexpr bool kSplit = (kProbe & 256) && C::kWgmma;
+  constexpr int kNThreads = kSplit ? 512 : kThreads;
+  constexpr int kSplitComputeRegs = 200;
+  static_assert(!kSplit || 256 * kSplitComputeRegs + 256 * kPlannerRegs <= 512 * 128, "the launch's registers");
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The K/V tiles first, 1,024-byte aligned for wgmma's swizzle atoms.
   constexpr uint32_t kA = C::kAlign > 0 ? C::kAlign : 1;
@@ -594,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   // Q tile into shared memory (padding rows zero), 16 bytes per thread and step.
   constexpr int kPieces = D / 8;
-  for (int i = threadIdx.x; i < kRows * kPieces; i += kThreads) {
+  for (int i = threadIdx.x; i < kRows * kPieces; i += kNThreads) {
     const int r = i / kPieces, piece = i % kPieces;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < rows && !bad_request) {
@@ -618,6 +625,81 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
+    if constexpr (kSplit) {
+      // ---- PROBE 256: the producers. Warp kPlanner plans as the planner below does, and every producer warp copies
+      // and rebuilds its blocks as the compute warps do without the probe.
+      bool refused = false;
+      const int pw = warp - kPlanner;  // the producer's blocks: pw * kPerWarp..
+      constexpr int kPerWarp = C::kPerWarp;
+      const WarpOffsets<D> offsets = warp_offsets<D>(pw, lane);
+      const auto issue_chunk = [&](int ci) {
+        if (ci < chunks) {
+          const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
+          const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
+#pragma unroll
+          for (int i = 0; i < kPerWarp; ++i) {
+            if (kProbe & 2) break;
+            const int j = pw * kPerWarp + i;
+            issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
+          }
+        }
+        cp_async_commit();
+      };
+      const auto rebuild_chunk = [&](int ci) {
+        const uint8_t* stage = stages + ci % kS * C::kStageBytes;
+        const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
+        if (!(kProbe & 1))
+          refused |= rebuild_warp_blocks<D>(pw, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
+                                            offsets, lane);
+        fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
+      };
+      constexpr int kLead = kS + C::kAhead;
+      const bool planner = warp == kPlanner;
+      MetaWords<D> words;
+      const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
+      const auto publish = [&](int ci, BlockPlan plan) {
+        publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks,
+                         lane);
+      };
+      int32_t page_next = -1;
+      if (planner) {
+        for (int ci = 0; ci < kLead && ci < chunks; ++ci) {
+          load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
+          publish(ci, plan_block<D>(p, chunk_key(ci), lane, words));
+        }
+        if (kLead < chunks) load_meta_words<D>(p, head, chunk_key(kLead), hi, lane, page_of(kLead), words);
+        page_next = page_of(kLead + 1);
+      }
+      __syncthreads();  // Q staged, the plans of chunks 0..kLead - 1 published
+      for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
+#pragma unroll
+      for (int r = 0; r < C::kAhead; ++r) {
+        cp_async_wait<kS - 1>();  // chunk r
+        if (r < chunks) rebuild_chunk(r);
+        if (r + 1 < C::kAhead) issue_chunk(r + kS);
+      }
+      {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
+        uint4* z = reinterpret_cast<uint4*>(kv_tile(C::kTileBufs - 1, 1));
+        for (int i = threadIdx.x - 256; i < C::kKVBytes / 16; i += 256) z[i] = make_uint4(0, 0, 0, 0);
+        fence_proxy_async_smem();
+      }
+      __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+      for (int ci = 0; ci < chunks; ++ci) {
+        if (planner) {
+          const int next = ci + kLead;
+          if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
+          if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
+          page_next = page_of(next + 2);
+        }
+        issue_chunk(ci + C::kAhead - 1 + kS);  // into the staging chunk ci + 1 left
+        cp_async_wait<kS - 1>();               // chunk ci + 2, copied a step ago
+        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        __syncthreads();
+      }
+      if (refused) atomicOr(&s_bad, 1);
+      __syncthreads();  // the refusal flags
+      return;
+    }
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
       if constexpr ((kProbe & 128) && C::kWgmma) {
         // PROBE 128: these three warps start the copies from chunk kS + kAhead - 1 on, chunk ci + 3 in step ci, and
@@ -678,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   }
 
   // ---- The compute warps: rebuild chunk ci + 1 while multiplying chunk ci.
-  setmaxnreg_inc<kComputeRegs>();
+  setmaxnreg_inc<kSplit ? kSplitComputeRegs : kComputeRegs>();
   // The warp's rows: positions of its two rows per lane (g and g + 8), the range of its 16 rows' positions, and
   // whether any of its rows is real. A chunk is skipped, or the rows multiplied at all, by the unit that issues the
   // MMAs together: the warpgroup of 64 rows with wgmma, else the warp.
@@ -744,14 +826,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // Copies kS chunks ahead of their rebuild, rebuilds kAhead chunks ahead of their multiply. A chunk's staging
   // buffer is refilled right after its rebuild: in step ci with chunk ci + kAhead - 1 + kS.
   __syncthreads();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
-  for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
+  if constexpr (!kSplit) {
+    for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
 #pragma unroll
-  for (int r = 0; r < C::kAhead; ++r) {
-    cp_async_wait<kS - 1>();  // chunk r
-    if (r < chunks) rebuild_chunk(r);
-    if (r + 1 < C::kAhead) issue_chunk(r + kS);
+    for (int r = 0; r < C::kAhead; ++r) {
+      cp_async_wait<kS - 1>();  // chunk r
+      if (r < chunks) rebuild_chunk(r);
+      if (r + 1 < C::kAhead) issue_chunk(r + kS);
+    }
   }
-  if constexpr (C::kWgmma) {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
+  if constexpr (C::kWgmma && !kSplit) {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
     uint4* z = reinterpret_cast<uint4*>(kv_tile(C::kTileBufs - 1, 1));
     for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
     fence_proxy_async_smem();
@@ -799,10 +883,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       for (int ci = 0; ci < chunks; ++ci) {
-        issue_chunk(ci + C::kAhead - 1 + kS);    // into the staging chunk ci + 1 left
-        pv(kv_tile(ci + C::kTileBufs - 1, 1));   // chunk ci - 1
-        cp_async_wait<kCopiers ? 0 : kS - 1>();  // chunk ci + 2, copied a step ago
-        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        if constexpr (!kSplit) issue_chunk(ci + C::kAhead - 1 + kS);  // into the staging chunk ci + 1 left
+        pv(kv_tile(ci + C::kTileBufs - 1, 1));                        // chunk ci - 1
+        if constexpr (!kSplit) {
+          cp_async_wait<kCopiers ? 0 : kS - 1>();  // chunk ci + 2, copied a step ago
+          if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        }
         wgmma_wait_all();  // P V of chunk ci - 1, S of chunk ci
         fence_registers(o);
         fence_registers(s_cur);
@@ -822,15 +908,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     } else {
       float s_next[C::kKV / 8][4];
       for (int ci = 0; ci < chunks; ++ci) {
-        issue_chunk(ci + C::kAhead - 1 + kS);
+        if constexpr (!kSplit) issue_chunk(ci + C::kAhead - 1 + kS);
         scores(kv_tile(ci + 1, 0), s_next);
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
         soft(masked_at(c0), rel_pos, kv_rem);
         pv(kv_tile(ci, 1));
-        cp_async_wait<kCopiers ? 0 : kS - 1>();
-        if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        if constexpr (!kSplit) {
+          cp_async_wait<kCopiers ? 0 : kS - 1>();
+          if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        }
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
         fence_registers(o);
         fence_registers(s_next);

@@ -15,7 +15,7 @@ template <int D, int kProbe>
 void launch_probe(const Params& p, const dim3 grid, cudaStream_t stream) {
   static SmemFlags done{};
   set_smem_limit(paged_prefill_kernel<D, false, kProbe>, Cfg<D>::kSmemBytes, done);
-  paged_prefill_kernel<D, false, kProbe><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+  paged_prefill_kernel<D, false, kProbe><<<grid, (kProbe & 256) ? 512 : kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
 }
 
 template <int D>
@@ -39,6 +39,9 @@ void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
         case 67: launch_probe<D, 67>(p, grid, stream); break;
         case 99: launch_probe<D, 99>(p, grid, stream); break;
         case 128: launch_probe<D, 128>(p, grid, stream); break;
+        case 256: launch_probe<D, 256>(p, grid, stream); break;
+        case 259: launch_probe<D, 259>(p, grid, stream); break;
+        case 284: launch_probe<D, 284>(p, grid, stream); break;
         default: TORCH_CHECK(false, "ZIPKV_PREFILL_PROBE: no build ", probe);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
