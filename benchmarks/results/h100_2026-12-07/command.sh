@@ -141,30 +141,38 @@ for pr in 16 48; do
     2>&1 | tee "$OUT/tests_full_probe$pr.log" | grep -v "Warn\|warn" | tail -3
 done
 # probe3.py lies beside this file.
-# ---- .box/run45.sh (not yet run: the device time was spent). On c74c1af (branch exp/prefill-probes-4, merged into
+# ---- .box/run45.sh (not yet run: the device time was spent). On ab5c7a7 (branch exp/prefill-probes-4, merged into
 # main's history): main's kernel with probe builds chosen at launch (d 128, no soft cap; ZIPKV_PREFILL_PROBE bits
 # 1 no rebuild, 2 no copies, 4 no softmax, 8 no P V, 16 no S, 32 no barrier, 64 the warpgroups in step, 128 the
-# planner's three idle warps start the copies). It runs the CUDA prefill and engine tests on the landed code (probe
-# 0, the same code as main) and a test subset on probe 128, splits the multiply's 199 us (probes 3, 7, 11, 19, 35,
-# 67, 99), times probe 128 (predicted up to -30 us: the copies cost ~64 us in place before the lean rebuild) and
-# takes an ncu stall profile of the landed kernel. About 6 min on an H100:
-#   git checkout c74c1af && OUT=$OUT timeout 560 bash .box/run45.sh   (.box/probe3.py = probe3.py here,
+# planner's three idle warps start the copies, 256 sixteen warps: eight of them copy and rebuild while the compute
+# warps only multiply, one barrier a step). Probe 0's SASS is main's kernel's, instruction for instruction. The call
+# runs the CUDA prefill and engine tests on it, a test subset on probes 128 and 256, splits the multiply's 199 us
+# (probes 3, 7, 11, 19, 35, 67, 99), times 128 (predicted up to -30 us) and 256 (predicted 275 -> ~220 us: max of
+# the multiply, ~200-220, and 8 warps' copies and rebuild, ~140-170; 259 and 284 time each side alone), and takes an
+# ncu stall profile of the landed kernel. About 7 min on an H100:
+#   git checkout ab5c7a7 && OUT=$OUT timeout 560 bash .box/run45.sh   (.box/probe3.py = probe3.py here,
 #   .box/ncu_prefill.py = ../h100_2026-12-06/ncu_prefill.py)
+set -uo pipefail
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
 export PYTHONPATH=/tmp/zipkv-site:$PWD
+SUBSET="mixed_pages or long_queries or real_kv or bad_device or larger_pages"
 rm -rf build torch_zipkv/_C*.so
 bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
 echo "built at $SECONDS s"
 timeout 90 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE \
   2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -3
-ZIPKV_PREFILL_PROBE=128 timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -rfE \
-  -k "mixed_pages or long_queries or real_kv or bad_device or larger_pages" 2>&1 | grep -v "Warn\|warn" | tail -2
+ZIPKV_PREFILL_PROBE=128 timeout 45 python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -rfE \
+  -k "$SUBSET" 2>&1 | grep -v "Warn\|warn" | tail -2
 echo "tested at $SECONDS s"
-timeout 200 python3 .box/probe3.py "$OUT/probe4.json" ${PROBES:-0 128 3 7 11 19 35 67 99 64 12 1 2} 2>&1 \
-  | grep -v "Warn\|warn" | tail -26
+timeout 150 python3 .box/probe3.py "$OUT/probe4.json" 0 128 3 7 11 19 35 67 99 64 12 1 2 2>&1 | grep -v "Warn\|warn" | tail -26
 echo "timed at $SECONDS s"
+ZIPKV_PREFILL_PROBE=256 timeout 45 python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -rfE \
+  -k "$SUBSET" 2>&1 | grep -v "Warn\|warn" | tail -2
+[ "${PIPESTATUS[0]}" = 0 ] && timeout 60 python3 .box/probe3.py "$OUT/probe4_split.json" 0 256 259 284 2>&1 \
+  | grep -v "Warn\|warn" | tail -8
+echo "split at $SECONDS s"
 timeout 120 ncu --clock-control none --set full --import-source no -k regex:paged_prefill -s 2 -c 1 -o $OUT/prefill \
   python3 .box/ncu_prefill.py > $OUT/ncu.log 2>&1; tail -2 $OUT/ncu.log
 ncu -i $OUT/prefill.ncu-rep --page details > $OUT/details.txt 2>&1
