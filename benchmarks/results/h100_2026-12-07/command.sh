@@ -153,7 +153,6 @@ done
 #   git checkout ab5c7a7 && OUT=$OUT timeout 560 bash .box/run45.sh   (.box/probe3.py = probe3.py here,
 #   .box/ncu_prefill.py = ../h100_2026-12-06/ncu_prefill.py)
 set -uo pipefail
-set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
 export PYTHONPATH=/tmp/zipkv-site:$PWD
