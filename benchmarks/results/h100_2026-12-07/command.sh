@@ -48,7 +48,7 @@ bash .box/box.sh build >/dev/null; echo "rebuilt at $SECONDS s"
 timeout $((${LIMIT:-500} - SECONDS)) python3 -m pytest test/test_engine_cuda.py test/test_decode_cuda.py -q -p no:cacheprovider -n 8 -rfE 2>&1 \
   | tee "$OUT/tests/engine_decode.log" | grep -v "Warn\|warn" | tail -6
 echo "all $SECONDS s"
-# ---- .box/run41.sh: call 2 (a second session, 02:45 UTC), kind nvidia-h100-x1, an H100 80GB HBM3, on 594c920:
+# ---- .box/run41.sh: call 2 (2026-12-07, 02:45 UTC), kind nvidia-h100-x1, an H100 80GB HBM3, on 594c920:
 #   COMMIT=594c920 OUT=$OUT timeout 570 bash .box/run41.sh  (302 s)
 #   -> producer (f2af5c9): 71 prefill tests pass; bench_prefill --quick (bench_prefill_producer.json): 512 x 8K x 1
 #      481.6 us against FlashInfer's 128.9 (0.268x; main 309 us), batch 8 3,651 against 927 (0.254x), raw 0.283x.
