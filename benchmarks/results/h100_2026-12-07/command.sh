@@ -141,17 +141,20 @@ for pr in 16 48; do
     2>&1 | tee "$OUT/tests_full_probe$pr.log" | grep -v "Warn\|warn" | tail -3
 done
 # probe3.py lies beside this file.
-# ---- .box/run45.sh (not yet run: the device time was spent). On ab5c7a7 (branch exp/prefill-probes-4, merged into
-# main's history): main's kernel with probe builds chosen at launch (d 128, no soft cap; ZIPKV_PREFILL_PROBE bits
-# 1 no rebuild, 2 no copies, 4 no softmax, 8 no P V, 16 no S, 32 no barrier, 64 the warpgroups in step, 128 the
-# planner's three idle warps start the copies, 256 sixteen warps: eight of them copy and rebuild while the compute
-# warps only multiply, one barrier a step). Probe 0's SASS is main's kernel's, instruction for instruction. The call
-# runs the CUDA prefill and engine tests on it, a test subset on probes 128 and 256, splits the multiply's 199 us
-# (probes 3, 7, 11, 19, 35, 67, 99), times 128 (predicted up to -30 us) and 256 (predicted 275 -> ~220 us: max of
-# the multiply, ~200-220, and 8 warps' copies and rebuild, ~140-170; 259 and 284 time each side alone), and takes an
-# ncu stall profile of the landed kernel. About 7 min on an H100:
-#   git checkout ab5c7a7 && OUT=$OUT timeout 560 bash .box/run45.sh   (.box/probe3.py = probe3.py here,
+# ---- .box/run45.sh: call 5, 04:40 UTC (a second session of the same day; two calls before it got no machine,
+# 04:29 and 04:31), kind left out, an H100 80GB HBM3, on ab5c7a7 (branch exp/prefill-probes-4, merged into main's
+# history): main's kernel with probe builds chosen at launch (d 128, no soft cap; ZIPKV_PREFILL_PROBE bits 1 no
+# rebuild, 2 no copies, 4 no softmax, 8 no P V, 16 no S, 32 no barrier, 64 the warpgroups in step, 128 the planner's
+# three idle warps start the copies, 256 sixteen warps: eight of them copy and rebuild while the compute warps only
+# multiply, one barrier a step). Probe 0's SASS is main's kernel's, instruction for instruction.
+#   git checkout ab5c7a7 && OUT=$OUT timeout 570 bash .box/run45.sh   (274 s; .box/probe3.py = probe3.py here,
 #   .box/ncu_prefill.py = ../h100_2026-12-06/ncu_prefill.py)
+#   -> test_prefill_engine_landed.log (test_paged_prefill_cuda.py and test_engine_cuda.py on main's kernel: 175
+#      passed, 1 skipped); probe_split.json (512 x 8K x 1 real-like, FlashInfer 128.3-129.7 us in the same run: main
+#      290.0; 128 329.9; 3 210.5; 7 196.7; 11 201.4; 19 206.5; 35 260.3; 67 199.3; 99 268.8; 64 287.3; 12 197.6;
+#      1 214.7; 2 246.4; batch 8 alike); the subset of 71 prefill tests passes with 128 and with 256;
+#      probe_split_16warps.json (0 287.8; 256 354.2; 259 215.7; 284 250.5); ncu_stalls.md (the landed kernel's
+#      profile, summarized from the SASS source page: the report itself is not kept).
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
