@@ -132,6 +132,24 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
+// PROBE 1024: the planner warpgroup's copies complete on a stage's mbarrier (one arrival per thread, .noinc).
+__device__ __forceinline__ void pf_mbar_init(void* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void pf_cp_async_arrive(void* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void pf_mbar_wait(void* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -570,6 +588,9 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
   uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs) + C::kQBytes;                       // [kPlanRing][kDescBytes]
   int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
   __shared__ int s_request, s_tile, s_bad;
+  __shared__ __align__(8) uint64_t s_landed[2];  // PROBE 1024: a staging buffer's copies landed
+  constexpr bool kSpread = (kProbe & (512 | 1024)) && C::kWgmma;
+  constexpr bool kCopyWG = (kProbe & 1024) && C::kWgmma;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int head = blockIdx.y;  // kv head
@@ -582,6 +603,7 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
   if (warp == 0) {
     const RequestUnit u = find_request_unit(qo, p.batch, p.nnz_q, 1, T, blockIdx.x, lane);
     if (lane == 0) s_request = u.request, s_tile = static_cast<int>(u.count - 1 - u.index), s_bad = 0;
+    if (kCopyWG && lane == 0) pf_mbar_init(&s_landed[0], 128), pf_mbar_init(&s_landed[1], 128);
   }
   __syncthreads();
   const int b = s_request;
@@ -700,6 +722,62 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
       __syncthreads();  // the refusal flags
       return;
     }
+    if constexpr (kSpread) {
+      // PROBE 512: the planner warpgroup's four warps plan chunk c = pw (mod 4): its page ids in step c - 7, its meta
+      // words in step c - 6, its plans published in step c - 4 (one phase per warp and step). PROBE 1024: they also
+      // copy chunk ci + 3 in step ci (8 blocks a warp), completing on the staging buffer's mbarrier.
+      const int pw = warp - kPlanner;
+      MetaWords<D> words;
+      int32_t page = -1;
+      const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
+      const auto publish = [&](int ci, BlockPlan plan) {
+        publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks,
+                         lane);
+      };
+      const auto copy_chunk = [&](int c) {
+        if constexpr (kCopyWG) {
+          if (c < chunks) {
+            const uint8_t* descs = desc_ring + c % kPlanRing * C::kDescBytes;
+            const int64_t* srcs = src_ring + c % kPlanRing * kMaxBlocks;
+            uint8_t* stage = stages + c % kS * C::kStageBytes;
+#pragma unroll
+            for (int i = 0; i < C::kBlocks / 4; ++i) {
+              const int j = pw * (C::kBlocks / 4) + i;
+              issue_block(p, descs[j], srcs[j], stage + j * kRawBlockBytes, lane);
+            }
+            pf_cp_async_arrive(&s_landed[c % kS]);
+          }
+        }
+      };
+      static_assert(kS + C::kAhead == 4 && kPlanRing == 4, "four planner warps, a chunk each, four chunks ahead");
+      if (pw < chunks) {
+        load_meta_words<D>(p, head, chunk_key(pw), hi, lane, page_of(pw), words);
+        publish(pw, plan_block<D>(p, chunk_key(pw), lane, words));
+      }
+      if (pw + 4 < chunks) load_meta_words<D>(p, head, chunk_key(pw + 4), hi, lane, page_of(pw + 4), words);
+      __syncthreads();  // the plans of chunks 0..3 published
+      if constexpr (kCopyWG) {
+        copy_chunk(0);
+        copy_chunk(1);
+        __syncthreads();  // chunk 0 rebuilt: its staging buffer free
+        copy_chunk(2);
+      }
+      __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+      for (int ci = 0; ci < chunks; ++ci) {
+        copy_chunk(ci + 3);
+        const int phase = (ci - pw) & 3;
+        if (phase == 0) {
+          if (ci + 4 < chunks) publish(ci + 4, plan_block<D>(p, chunk_key(ci + 4), lane, words));
+        } else if (phase == 1) {
+          page = page_of(ci + 7);
+        } else if (phase == 2) {
+          if (ci + 6 < chunks) load_meta_words<D>(p, head, chunk_key(ci + 6), hi, lane, page, words);
+        }
+        __syncthreads();
+      }
+      __syncthreads();  // the compute warps' refusal flags
+      return;
+    }
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
       if constexpr ((kProbe & 128) && C::kWgmma) {
         // PROBE 128: these three warps start the copies from chunk kS + kAhead - 1 on, chunk ci + 3 in step ci, and
@@ -785,6 +863,7 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
   const WarpOffsets<D> offsets = warp_offsets<D>(warp, lane);
   constexpr bool kCopiers = (kProbe & 128) && C::kWgmma;
   const auto issue_chunk = [&](int ci) {
+    if constexpr (kCopyWG) return;
     if (kCopiers && ci >= kS + C::kAhead - 1) return;  // the copier warps' (no group: the waits below are for 0)
     if (ci < chunks) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
@@ -799,6 +878,7 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
     cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
   };
   const auto rebuild_chunk = [&](int ci) {
+    if constexpr (kCopyWG) pf_mbar_wait(&s_landed[ci % kS], (ci / kS) & 1);
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
     if (!(kProbe & 1))
@@ -826,7 +906,11 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
   // Copies kS chunks ahead of their rebuild, rebuilds kAhead chunks ahead of their multiply. A chunk's staging
   // buffer is refilled right after its rebuild: in step ci with chunk ci + kAhead - 1 + kS.
   __syncthreads();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
-  if constexpr (!kSplit) {
+  if constexpr (kCopyWG) {
+    if (0 < chunks) rebuild_chunk(0);
+    __syncthreads();  // chunk 0 rebuilt: the planner warpgroup copies chunk 2 into its staging buffer
+    if (1 < chunks) rebuild_chunk(1);
+  } else if constexpr (!kSplit) {
     for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
 #pragma unroll
     for (int r = 0; r < C::kAhead; ++r) {

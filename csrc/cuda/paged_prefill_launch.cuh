@@ -40,6 +40,11 @@ void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
         case 99: launch_probe<D, 99>(p, grid, stream); break;
         case 128: launch_probe<D, 128>(p, grid, stream); break;
         case 256: launch_probe<D, 256>(p, grid, stream); break;
+        case 512: launch_probe<D, 512>(p, grid, stream); break;
+        case 515: launch_probe<D, 515>(p, grid, stream); break;
+        case 519: launch_probe<D, 519>(p, grid, stream); break;
+        case 1024: launch_probe<D, 1024>(p, grid, stream); break;
+        case 1025: launch_probe<D, 1025>(p, grid, stream); break;
         case 259: launch_probe<D, 259>(p, grid, stream); break;
         case 284: launch_probe<D, 284>(p, grid, stream); break;
         default: TORCH_CHECK(false, "ZIPKV_PREFILL_PROBE: no build ", probe);
