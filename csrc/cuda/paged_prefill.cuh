@@ -769,9 +769,9 @@ __global__ void __launch_bounds__((kProbe & 256) ? 512 : kThreads, 1) paged_pref
         if (phase == 0) {
           if (ci + 4 < chunks) publish(ci + 4, plan_block<D>(p, chunk_key(ci + 4), lane, words));
         } else if (phase == 1) {
-          page = page_of(ci + 7);
+          if (ci + 7 >= 8) page = page_of(ci + 7);  // chunks 4..7: words loaded before the loop
         } else if (phase == 2) {
-          if (ci + 6 < chunks) load_meta_words<D>(p, head, chunk_key(ci + 6), hi, lane, page, words);
+          if (ci + 6 >= 8 && ci + 6 < chunks) load_meta_words<D>(p, head, chunk_key(ci + 6), hi, lane, page, words);
         }
         __syncthreads();
       }
