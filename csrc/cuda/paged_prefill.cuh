@@ -20,10 +20,12 @@
 // landed, kAhead chunks ahead of their multiply, into BF16 K/V tiles (block_io.cuh decode_lane: the lane's words in
 // mma A-operand order; stmatrix puts them in natural [token][dim] order). At head_dim 128 (wgmma) four tiles turn and
 // the two warpgroups run half a step apart: while one's softmax runs on the SM's ALUs, the other's MMAs run on the
-// tensor cores beside its share of the rebuild of chunk i + 2 (the main loop says in which order). (A single warp
-// starting every copy, 32 blocks a chunk one after another, was the bound at 3.5 us a chunk; with the copies, plans and
-// rebuild of each chunk waited on in turn by the same 4 warps, three barriers a chunk, the kernel ran at 80 TFLOP/s:
-// docs/performance.md, "Prefill attention".) S = Q K^T and O += P V follow FlashAttention-2 (mma.sync: Q and K
+// tensor cores beside its share of the rebuild of chunk i + 2 (the main loop says in which order); there all four
+// warps of the fourth warpgroup plan, each every fourth chunk, and they start the copies, which land on the staging
+// buffer's mbarrier, so that the compute warps only rebuild and multiply. (A single warp starting every copy, 32
+// blocks a chunk one after another, was the bound at 3.5 us a chunk; with the copies, plans and rebuild of each chunk
+// waited on in turn by the same 4 warps, three barriers a chunk, the kernel ran at 80 TFLOP/s: docs/performance.md,
+// "Prefill attention".) S = Q K^T and O += P V follow FlashAttention-2 (mma.sync: Q and K
 // fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q, K and V read by descriptor from swizzled tiles, once per
 // warpgroup of 64 rows), P from S's accumulators in registers, an online softmax in float32 (base 2) per row, O
 // rescaled only when a row's maximum rises by more than 2^8; the position masks are computed only for a warp's chunks
@@ -41,6 +43,7 @@
 
 #include "../format.h"
 #include "block_io.cuh"
+#include "mbarrier.cuh"
 #include "request_search.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
@@ -560,6 +563,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   uint8_t* desc_ring = reinterpret_cast<uint8_t*>(qs) + C::kQBytes;                       // [kPlanRing][kDescBytes]
   int64_t* src_ring = reinterpret_cast<int64_t*>(desc_ring + kPlanRing * C::kDescBytes);  // [kPlanRing][kMaxBlocks]
   __shared__ int s_request, s_tile, s_bad;
+  __shared__ __align__(8) uint64_t s_landed[kS];  // with wgmma: a staging buffer's copies have landed
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int head = blockIdx.y;  // kv head
@@ -572,6 +576,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   if (warp == 0) {
     const RequestUnit u = find_request_unit(qo, p.batch, p.nnz_q, 1, T, blockIdx.x, lane);
     if (lane == 0) s_request = u.request, s_tile = static_cast<int>(u.count - 1 - u.index), s_bad = 0;
+    if (C::kWgmma && lane == 0) {
+#pragma unroll
+      for (int i = 0; i < kS; ++i) mbar_init(smem_u32(&s_landed[i]), 128);  // one arrival per copying thread
+    }
   }
   __syncthreads();
   const int b = s_request;
@@ -615,11 +623,66 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
+    if constexpr (C::kWgmma) {
+      // ---- The planner warpgroup at d 128: its four warps plan and copy. Warp pw plans the chunks c = pw (mod 4), one
+      // phase a step, so that no warp's step holds more than one: c's page ids in step c - 7, its meta words in step
+      // c - 6 (each phase uses what the one before loaded, a step or two earlier), its plans published in step c - 4.
+      // Every warp copies 8 of chunk ci + 3's 32 blocks in step ci, into the staging buffer that chunk ci + 1's
+      // rebuild left in step ci - 1; each thread then arrives on the buffer's mbarrier once its copies have landed, and
+      // the compute warps wait on it before rebuilding the chunk in step ci + 1 (so a copy has a whole step to land).
+      static_assert(kS + C::kAhead == 4 && kPlanRing == 4, "four planner warps, a chunk each, planned 4 chunks ahead");
+      const int pw = warp - kPlanner;
+      MetaWords<D> words;
+      int32_t page = -1;
+      const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
+      const auto publish = [&](int ci, BlockPlan plan) {
+        publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks,
+                         lane);
+      };
+      const auto copy_chunk = [&](int c) {
+        if (c < chunks) {
+          const uint8_t* descs = desc_ring + c % kPlanRing * C::kDescBytes;
+          const int64_t* srcs = src_ring + c % kPlanRing * kMaxBlocks;
+          uint8_t* stage = stages + c % kS * C::kStageBytes;
+#pragma unroll
+          for (int i = 0; i < C::kBlocks / 4; ++i) {
+            const int j = pw * (C::kBlocks / 4) + i;
+            issue_block(p, descs[j], srcs[j], stage + j * kRawBlockBytes, lane);
+          }
+          cp_async_mbar_arrive(smem_u32(&s_landed[c % kS]));
+        }
+      };
+      if (pw < chunks) {  // chunks 0..3 planned at once, chunk pw + 4's words loaded
+        load_meta_words<D>(p, head, chunk_key(pw), hi, lane, page_of(pw), words);
+        publish(pw, plan_block<D>(p, chunk_key(pw), lane, words));
+      }
+      if (pw + 4 < chunks) load_meta_words<D>(p, head, chunk_key(pw + 4), hi, lane, page_of(pw + 4), words);
+      __syncthreads();  // the plans of chunks 0..3 published
+      copy_chunk(0);
+      copy_chunk(1);
+      __syncthreads();  // chunk 0 rebuilt: its staging buffer free
+      copy_chunk(2);
+      __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+      for (int ci = 0; ci < chunks; ++ci) {
+        copy_chunk(ci + 3);
+        const int phase = (ci - pw) & 3;
+        if (phase == 0) {
+          if (ci + 4 < chunks) publish(ci + 4, plan_block<D>(p, chunk_key(ci + 4), lane, words));
+        } else if (phase == 1) {
+          page = page_of(ci + 7);
+        } else if (phase == 2) {
+          if (ci + 6 < chunks) load_meta_words<D>(p, head, chunk_key(ci + 6), hi, lane, page, words);
+        }
+        __syncthreads();
+      }
+      __syncthreads();  // the compute warps' refusal flags
+      return;
+    }
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
       for (int i = 0; i < chunks + 3; ++i) __syncthreads();
       return;
     }
-    // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
+    // ---- mma.sync head dims, one planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
     // copy chunk ci + kS + kAhead - 1 in that step). The first kS + kAhead chunks are planned at once (page id, words
     // and plan in a chain, once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta
     // words one, each step using what the step before loaded, so that the planner never waits on a load in the step
@@ -669,8 +732,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   bool refused = false;
-  // Each compute warp copies, and then rebuilds, blocks warp * kPerWarp.. of every chunk: its copies are its own to
-  // wait for, and its staging bytes its own to reuse.
+  // Each compute warp rebuilds blocks warp * kPerWarp.. of every chunk; without wgmma it copies them too: its copies
+  // are its own to wait for, and its staging bytes its own to reuse.
   constexpr int kPerWarp = C::kPerWarp;
   const WarpOffsets<D> offsets = warp_offsets<D>(warp, lane);
   const auto issue_chunk = [&](int ci) {
@@ -686,6 +749,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
   };
   const auto rebuild_chunk = [&](int ci) {
+    if constexpr (C::kWgmma) mbar_wait(smem_u32(&s_landed[ci % kS]), (ci / kS) & 1);  // the planner warpgroup's copies
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
     refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
@@ -712,12 +776,18 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   // Copies kS chunks ahead of their rebuild, rebuilds kAhead chunks ahead of their multiply. A chunk's staging
   // buffer is refilled right after its rebuild: in step ci with chunk ci + kAhead - 1 + kS.
   __syncthreads();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
-  for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
+  if constexpr (C::kWgmma) {
+    if (0 < chunks) rebuild_chunk(0);
+    __syncthreads();  // chunk 0 rebuilt: the planner warpgroup copies chunk 2 into its staging buffer
+    if (1 < chunks) rebuild_chunk(1);
+  } else {
+    for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
 #pragma unroll
-  for (int r = 0; r < C::kAhead; ++r) {
-    cp_async_wait<kS - 1>();  // chunk r
-    if (r < chunks) rebuild_chunk(r);
-    if (r + 1 < C::kAhead) issue_chunk(r + kS);
+    for (int r = 0; r < C::kAhead; ++r) {
+      cp_async_wait<kS - 1>();  // chunk r
+      if (r < chunks) rebuild_chunk(r);
+      if (r + 1 < C::kAhead) issue_chunk(r + kS);
+    }
   }
   if constexpr (C::kWgmma) {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
     uint4* z = reinterpret_cast<uint4*>(kv_tile(C::kTileBufs - 1, 1));
@@ -745,9 +815,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       for (int ci = 0; ci < chunks; ++ci) {
-        issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
         start_pv<D>(kv_tile(ci + C::kTileBufs - 1, 1), lane, o, pa);  // chunk ci - 1
-        cp_async_wait<kS - 1>();                                      // chunk ci + 2, copied a step ago
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // P V of chunk ci - 1, S of chunk ci
         fence_registers(o);
@@ -768,13 +836,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     } else {
       float s_next[C::kKV / 8][4];
       for (int ci = 0; ci < chunks; ++ci) {
-        issue_chunk(ci + C::kAhead - 1 + kS);
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
         attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
-        cp_async_wait<kS - 1>();
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
         fence_registers(o);
