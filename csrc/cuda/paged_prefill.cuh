@@ -665,13 +665,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       __syncthreads();  // chunks 0..kAhead - 1 rebuilt
       for (int ci = 0; ci < chunks; ++ci) {
         copy_chunk(ci + 3);
+        // The phases of chunk ci + 4 (plan), ci + 7 (page ids) and ci + 6 (meta words), whichever is this warp's; the
+        // loads start with chunk 8 (chunks 4..7 had their words loaded before the loop: reloading chunk 6's in step
+        // 0 would read them from a page id never loaded).
         const int phase = (ci - pw) & 3;
         if (phase == 0) {
           if (ci + 4 < chunks) publish(ci + 4, plan_block<D>(p, chunk_key(ci + 4), lane, words));
         } else if (phase == 1) {
-          page = page_of(ci + 7);
+          if (ci + 7 >= 8) page = page_of(ci + 7);
         } else if (phase == 2) {
-          if (ci + 6 < chunks) load_meta_words<D>(p, head, chunk_key(ci + 6), hi, lane, page, words);
+          if (ci + 6 >= 8 && ci + 6 < chunks) load_meta_words<D>(p, head, chunk_key(ci + 6), hi, lane, page, words);
         }
         __syncthreads();
       }
@@ -682,11 +685,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       for (int i = 0; i < chunks + 3; ++i) __syncthreads();
       return;
     }
-    // ---- mma.sync head dims, one planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
-    // copy chunk ci + kS + kAhead - 1 in that step). The first kS + kAhead chunks are planned at once (page id, words
-    // and plan in a chain, once per CTA); from then on page ids are loaded two chunks ahead of their plans and meta
-    // words one, each step using what the step before loaded, so that the planner never waits on a load in the step
-    // that issues it.
+    // ---- mma.sync head dims, one planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied
+    // (the compute warps copy chunk ci + kS + kAhead - 1 in that step). The first kS + kAhead chunks are planned at
+    // once (page id, words and plan in a chain, once per CTA); from then on page ids are loaded two chunks ahead of
+    // their plans and meta words one, each step using what the step before loaded, so that the planner never waits on a
+    // load in the step that issues it.
     constexpr int kLead = kS + C::kAhead;
     MetaWords<D> words;
     const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
