@@ -182,3 +182,50 @@ ncu -i $OUT/prefill.ncu-rep --page source --csv --print-source sass > $OUT/sass.
 grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible" $OUT/details.txt | head -12
 rm -f "$OUT/gpu.txt" "$OUT/prefill.ncu-rep"
 echo "all $SECONDS s"
+# 04:57-05:36 UTC: six calls got no machine (five failed starts and one refused ask, about 735 s of the budget): the
+# planned call of cb56caf's probes 512 and 1024 with issue 31's saturating load beside them (run47.sh, then run48.sh
+# cut to fit) never ran, so issue 31's measurement (run37.sh in ../h100_2026-12-06/command.sh) is still to be made.
+# ---- .box/run49.sh: call 6, 05:48 UTC, kind left out, an H100 80GB HBM3, 296 s of the budget left, on 131c7a5
+# (branch port/prefill-copier, merged into main's history): the planner warpgroup plans and copies at d 128, its SASS
+# that of cb56caf's probe 1024 but for two no-op cp.async waits. LIMIT=225 OUT=$OUT timeout 240 bash .box/run49.sh
+# (150 s)
+#   -> test_prefill_engine_copier_port.log: 14 failed, 161 passed, 1 skipped. Every failure is NaN output from a CTA
+#      of 7 or more chunks (long queries, sliding windows, CUDA Graph replay, a d-128 speculative case): planner warp
+#      2's meta phase ran in step 0 for chunk 6, whose words the prologue had loaded, from a page id never loaded, so
+#      chunk 6's blocks were refused. planner_schedule_model.py (here) reproduces it at every chunk count >= 7 and
+#      finds none with the fix (fcf9830 on the same branch; f6cc75a for the probe branch). The timing (probe3.py, probe
+#      0 only) returned nothing: it compares against FlashInfer and stops on the NaN output.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 40 python3 .box/probe3.py "$OUT/probe6.json" 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "timed at $SECONDS s"
+timeout $((${LIMIT:-235} - SECONDS)) python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q \
+  -p no:cacheprovider -n 8 -rfE 2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -4
+echo "all $SECONDS s"
+# ---- .box/run50.sh (not yet run). On f6cc75a (branch exp/prefill-planners: main's kernel with the probe builds of
+# ab5c7a7 plus 512, the planner spread over its warpgroup's four warps, and 1024, those warps copying too; fixed as
+# fcf9830): the subset of prefill tests on 1024, then 512 × 8K × 1 and × 8 timed for main's kernel (0), 512, 1024 and
+# 515 (512 without rebuild or copies: the floor once the planner is spread) with FlashInfer in the same run.
+# Predicted: 515 well under 200 µs; 1024 290 → ~250 µs. If 1024 wins, fcf9830 (its port: the same SASS but for two
+# no-op waits) needs `test_paged_prefill_cuda.py` and `test_engine_cuda.py` in full (run49.sh) before it lands. About
+# 3 min on an H100:   git checkout f6cc75a && OUT=$OUT timeout 300 bash .box/run50.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+SUBSET="mixed_pages or long_queries or real_kv or bad_device or larger_pages or sliding_window or graph"
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+ZIPKV_PREFILL_PROBE=1024 timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -q -p no:cacheprovider -n 8 -rfE \
+  -k "$SUBSET" 2>&1 | tee "$OUT/tests_probe1024.log" | grep -v "Warn\|warn" | tail -2
+echo "tested at $SECONDS s"
+timeout 90 python3 .box/probe3.py "$OUT/probe_planners.json" 0 512 1024 515 2>&1 | grep -v "Warn\|warn" | tail -8
+echo "all $SECONDS s"
