@@ -141,7 +141,7 @@ for pr in 16 48; do
     2>&1 | tee "$OUT/tests_full_probe$pr.log" | grep -v "Warn\|warn" | tail -3
 done
 # probe3.py lies beside this file.
-# ---- .box/run45.sh: call 5, 04:40 UTC (a second session of the same day; two calls before it got no machine,
+# ---- .box/run45.sh: call 5, 04:40 UTC (later the same day; two calls before it got no machine,
 # 04:29 and 04:31), kind left out, an H100 80GB HBM3, on ab5c7a7 (branch exp/prefill-probes-4, merged into main's
 # history): main's kernel with probe builds chosen at launch (d 128, no soft cap; ZIPKV_PREFILL_PROBE bits 1 no
 # rebuild, 2 no copies, 4 no softmax, 8 no P V, 16 no S, 32 no barrier, 64 the warpgroups in step, 128 the planner's
