@@ -623,6 +623,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
+    MetaWords<D> words;
+    const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
+    const auto publish = [&](int ci, BlockPlan plan) {
+      publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks, lane);
+    };
     if constexpr (C::kWgmma) {
       // ---- The planner warpgroup at d 128: its four warps plan and copy. Warp pw plans the chunks c = pw (mod 4), one
       // phase a step, so that no warp's step holds more than one: c's page ids in step c - 7, its meta words in step
@@ -632,13 +637,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       // the compute warps wait on it before rebuilding the chunk in step ci + 1 (so a copy has a whole step to land).
       static_assert(kS + C::kAhead == 4 && kPlanRing == 4, "four planner warps, a chunk each, planned 4 chunks ahead");
       const int pw = warp - kPlanner;
-      MetaWords<D> words;
       int32_t page = -1;
-      const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
-      const auto publish = [&](int ci, BlockPlan plan) {
-        publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks,
-                         lane);
-      };
       const auto copy_chunk = [&](int c) {
         if (c < chunks) {
           const uint8_t* descs = desc_ring + c % kPlanRing * C::kDescBytes;
@@ -691,11 +690,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     // their plans and meta words one, each step using what the step before loaded, so that the planner never waits on a
     // load in the step that issues it.
     constexpr int kLead = kS + C::kAhead;
-    MetaWords<D> words;
-    const auto page_of = [&](int ci) { return ci < chunks ? block_page<D>(p, kp0, chunk_key(ci), hi, lane) : -1; };
-    const auto publish = [&](int ci, BlockPlan plan) {
-      publish_plans<D>(plan, desc_ring + ci % kPlanRing * C::kDescBytes, src_ring + ci % kPlanRing * kMaxBlocks, lane);
-    };
     for (int ci = 0; ci < kLead && ci < chunks; ++ci) {
       load_meta_words<D>(p, head, chunk_key(ci), hi, lane, page_of(ci), words);
       publish(ci, plan_block<D>(p, chunk_key(ci), lane, words));
