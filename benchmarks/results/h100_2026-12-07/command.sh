@@ -212,9 +212,10 @@ echo "all $SECONDS s"
 # ab5c7a7 plus 512, the planner spread over its warpgroup's four warps, and 1024, those warps copying too; fixed as
 # fcf9830): the subset of prefill tests on 1024, then 512 × 8K × 1 and × 8 timed for main's kernel (0), 512, 1024 and
 # 515 (512 without rebuild or copies: the floor once the planner is spread) with FlashInfer in the same run.
-# Predicted: 515 well under 200 µs; 1024 290 → ~250 µs. If 1024 wins, fcf9830 (its port: the same SASS but for two
-# no-op waits) needs `test_paged_prefill_cuda.py` and `test_engine_cuda.py` in full (run49.sh) before it lands. About
-# 3 min on an H100:   git checkout f6cc75a && OUT=$OUT timeout 300 bash .box/run50.sh
+# Predicted: 515 well under 200 µs; 1024 290 → ~250 µs. If 1024 wins, 250fb18 (its port, the tip of
+# port/prefill-copier: the same SASS but for two no-op waits) needs `test_paged_prefill_cuda.py` and
+# `test_engine_cuda.py` in full (run49.sh) before it lands. About 3 min on an H100:
+#   git checkout f6cc75a && OUT=$OUT timeout 300 bash .box/run50.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
