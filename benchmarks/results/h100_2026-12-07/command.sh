@@ -230,3 +230,27 @@ ZIPKV_PREFILL_PROBE=1024 timeout 60 python3 -m pytest test/test_paged_prefill_cu
 echo "tested at $SECONDS s"
 timeout 90 python3 .box/probe3.py "$OUT/probe_planners.json" 0 512 1024 515 2>&1 | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
+# ---- .box/run51.sh (not yet run): the two open measurements in one call of about 9 min on an H100. On 250fb18 (the
+# tip of port/prefill-copier): its CUDA prefill and engine tests in full, 512 × 8K × 1 and × 8 against FlashInfer in
+# the same run (main's kernel: 0.446× and 0.444× in call 5), then issue 31's saturating shared-prompt load with the
+# engine's reclaim on and off (a1907b7's crumb rule is in this tree), in what is left of LIMIT:
+#   git checkout 250fb18 && COMMIT=250fb18 LIMIT=560 OUT=$OUT timeout 580 bash .box/run51.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/sat"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD ZIPKV_COMMIT=$COMMIT
+LIMIT=${LIMIT:-560}
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 100 python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q -p no:cacheprovider -n 8 -rfE \
+  2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -4
+echo "tested at $SECONDS s"
+timeout 40 python3 .box/probe3.py "$OUT/probe_port.json" 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "timed at $SECONDS s"
+timeout $((LIMIT - SECONDS)) python3 benchmarks/bench_prefix.py --out "$OUT/sat" --workloads shared \
+  --systems zipkv+cache+reclaim zipkv+cache raw+cache --rate 64 --requests 1024 --time-limit $((LIMIT - SECONDS - 5)) \
+  2>&1 | grep --line-buffered "shared /\|    decode"
+rm -f "$OUT"/*/*.png
+echo "all $SECONDS s"
