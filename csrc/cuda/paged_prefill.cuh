@@ -25,11 +25,11 @@
 // buffer's mbarrier, so that the compute warps only rebuild and multiply. (A single warp starting every copy, 32
 // blocks a chunk one after another, was the bound at 3.5 us a chunk; with the copies, plans and rebuild of each chunk
 // waited on in turn by the same 4 warps, three barriers a chunk, the kernel ran at 80 TFLOP/s: docs/performance.md,
-// "Prefill attention".) S = Q K^T and O += P V follow FlashAttention-2 (mma.sync: Q and K
-// fragments by ldmatrix, V by ldmatrix.trans; wgmma: Q, K and V read by descriptor from swizzled tiles, once per
-// warpgroup of 64 rows), P from S's accumulators in registers, an online softmax in float32 (base 2) per row, O
-// rescaled only when a row's maximum rises by more than 2^8; the position masks are computed only for a warp's chunks
-// that cross the causal diagonal, a window edge or kv_len, in 32-bit arithmetic relative to the chunk.
+// "Prefill attention".) S = Q K^T and O += P V follow FlashAttention-2 (mma.sync: Q and K fragments by ldmatrix, V
+// by ldmatrix.trans; wgmma: Q, K and V read by descriptor from swizzled tiles, once per warpgroup of 64 rows), P from
+// S's accumulators in registers, an online softmax in float32 (base 2) per row, O rescaled only when a row's maximum
+// rises by more than 2^8; the position masks are computed only for a warp's chunks that cross the causal diagonal, a
+// window edge or kv_len, in 32-bit arithmetic relative to the chunk.
 //
 // Bad device contents cannot raise without a host sync (paged_decode.cuh): a page id out of range, a meta row that
 // is missing, of another geometry or version, an invalid descriptor, a stream past the end of data, or an
