@@ -212,7 +212,7 @@ echo "all $SECONDS s"
 # ab5c7a7 plus 512, the planner spread over its warpgroup's four warps, and 1024, those warps copying too; fixed as
 # fcf9830): the subset of prefill tests on 1024, then 512 × 8K × 1 and × 8 timed for main's kernel (0), 512, 1024 and
 # 515 (512 without rebuild or copies: the floor once the planner is spread) with FlashInfer in the same run.
-# Predicted: 515 well under 200 µs; 1024 290 → ~250 µs. If 1024 wins, 250fb18 (its port, the tip of
+# Predicted: 515 well under 200 µs; 1024 290 → ~250 µs. If 1024 wins, 677fd19 (its port, the tip of
 # port/prefill-copier: the same SASS but for two no-op waits) needs `test_paged_prefill_cuda.py` and
 # `test_engine_cuda.py` in full (run49.sh) before it lands. About 3 min on an H100:
 #   git checkout f6cc75a && OUT=$OUT timeout 300 bash .box/run50.sh
@@ -230,11 +230,11 @@ ZIPKV_PREFILL_PROBE=1024 timeout 60 python3 -m pytest test/test_paged_prefill_cu
 echo "tested at $SECONDS s"
 timeout 90 python3 .box/probe3.py "$OUT/probe_planners.json" 0 512 1024 515 2>&1 | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
-# ---- .box/run51.sh (not yet run): the two open measurements in one call of about 9 min on an H100. On 250fb18 (the
+# ---- .box/run51.sh (not yet run): the two open measurements in one call of about 9 min on an H100. On 677fd19 (the
 # tip of port/prefill-copier): its CUDA prefill and engine tests in full, 512 × 8K × 1 and × 8 against FlashInfer in
 # the same run (main's kernel: 0.446× and 0.444× in call 5), then issue 31's saturating shared-prompt load with the
 # engine's reclaim on and off (a1907b7's crumb rule is in this tree), in what is left of LIMIT:
-#   git checkout 250fb18 && COMMIT=250fb18 LIMIT=560 OUT=$OUT timeout 580 bash .box/run51.sh
+#   git checkout 677fd19 && COMMIT=677fd19 LIMIT=560 OUT=$OUT timeout 580 bash .box/run51.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/sat"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
