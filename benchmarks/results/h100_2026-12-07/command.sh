@@ -182,7 +182,7 @@ ncu -i $OUT/prefill.ncu-rep --page source --csv --print-source sass > $OUT/sass.
 grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible" $OUT/details.txt | head -12
 rm -f "$OUT/gpu.txt" "$OUT/prefill.ncu-rep"
 echo "all $SECONDS s"
-# 04:57-05:36 UTC: six calls got no machine (five failed starts and one refused ask, about 735 s of the budget): the
+# 04:47-05:36 UTC: six asks got no machine (five failed starts and one refused ask, about 930 s of the budget): the
 # planned call of cb56caf's probes 512 and 1024 with issue 31's saturating load beside them (run47.sh, then run48.sh
 # cut to fit) never ran, so issue 31's measurement (run37.sh in ../h100_2026-12-06/command.sh) is still to be made.
 # ---- .box/run49.sh: call 6, 05:48 UTC, kind left out, an H100 80GB HBM3, 296 s of the budget left, on 131c7a5
