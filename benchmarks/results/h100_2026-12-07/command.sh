@@ -208,13 +208,12 @@ echo "timed at $SECONDS s"
 timeout $((${LIMIT:-235} - SECONDS)) python3 -m pytest test/test_paged_prefill_cuda.py test/test_engine_cuda.py -q \
   -p no:cacheprovider -n 8 -rfE 2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -4
 echo "all $SECONDS s"
-# ---- .box/run50.sh (not yet run). On f6cc75a (branch exp/prefill-planners: main's kernel with the probe builds of
-# ab5c7a7 plus 512, the planner spread over its warpgroup's four warps, and 1024, those warps copying too; fixed as
-# fcf9830): the subset of prefill tests on 1024, then 512 × 8K × 1 and × 8 timed for main's kernel (0), 512, 1024 and
-# 515 (512 without rebuild or copies: the floor once the planner is spread) with FlashInfer in the same run.
-# Predicted: 515 well under 200 µs; 1024 290 → ~250 µs. If 1024 wins, 677fd19 (its port, the tip of
-# port/prefill-copier: the same SASS but for two no-op waits) needs `test_paged_prefill_cuda.py` and
-# `test_engine_cuda.py` in full (run49.sh) before it lands. About 3 min on an H100:
+# ---- .box/run50.sh: its timing ran as call 10 (below, 07:41 UTC, on the machine of call 7), without the tests of
+# probe 1024. On f6cc75a (branch exp/prefill-planners: main's kernel with the probe builds of ab5c7a7 plus 512, the
+# planner spread over its warpgroup's four warps, and 1024, those warps copying too; fixed as fcf9830): the subset of
+# prefill tests on 1024, then 512 x 8K x 1 and x 8 timed for main's kernel (0), 512, 1024 and 515 (512 without
+# rebuild or copies: the floor once the planner is spread) with FlashInfer in the same run. Predicted: 515 well under
+# 200 us; 1024 290 -> ~250 us.
 #   git checkout f6cc75a && OUT=$OUT timeout 300 bash .box/run50.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
@@ -230,11 +229,33 @@ ZIPKV_PREFILL_PROBE=1024 timeout 60 python3 -m pytest test/test_paged_prefill_cu
 echo "tested at $SECONDS s"
 timeout 90 python3 .box/probe3.py "$OUT/probe_planners.json" 0 512 1024 515 2>&1 | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
-# ---- .box/run51.sh (not yet run): the two open measurements in one call of about 9 min on an H100. On 677fd19 (the
-# tip of port/prefill-copier): its CUDA prefill and engine tests in full, 512 × 8K × 1 and × 8 against FlashInfer in
-# the same run (main's kernel: 0.446× and 0.444× in call 5), then issue 31's saturating shared-prompt load with the
-# engine's reclaim on and off (a1907b7's crumb rule is in this tree), in what is left of LIMIT:
-#   git checkout 677fd19 && COMMIT=677fd19 LIMIT=560 OUT=$OUT timeout 580 bash .box/run51.sh
+# 06:41-07:17 UTC (the next session): six asks got no machine (five failed starts, one refused ask: 736 s of the
+# 1,800 s budget).
+# ---- .box/run51.sh: call 7, 07:28 UTC, kind left out, an H100 80GB HBM3, on 677fd19 (the tip of port/prefill-copier):
+# its CUDA prefill and engine tests in full, 512 x 8K x 1 and x 8 against FlashInfer in the same run, then issue 31's
+# saturating shared-prompt load with the engine's reclaim on and off (a1907b7's crumb rule is in this tree), in what
+# is left of LIMIT:
+#   git checkout 677fd19 && COMMIT=677fd19 LIMIT=560 OUT=$OUT timeout 580 bash .box/run51.sh   (561 s)
+#   -> test_prefill_engine_copier_port_fixed.log: 175 passed, 1 skipped (the fix holds). The timing returned nothing:
+#      probe3.py's first run on a fresh machine took 81 s (call 8), past its 40 s timeout. bench_prefix_saturating_
+#      677fd19.json: zipkv+cache+reclaim 4,729 tok/s, TTFT p50 15.4 s; zipkv+cache 5,178 tok/s, 13.9 s (0.913x with
+#      reclaim; call 30 of ../h100_2026-12-06 at 47b80fc: 0.906x); peaks 210 and 210; decode rows over steps
+#      300-1,300 190.6 and 173.8 (1.10x; 1.10x at 47b80fc); host time in decode-only steps with a compression call:
+#      compress 14.8 ms + reclaim 15.9 ms with reclaim on (11.8 + 20.5 at 47b80fc), compress 17.6 ms with it off
+#      (14.5). raw+cache did not start before LIMIT. Both zipkv jobs ran the port's prefill kernel.
+# Calls 8-10 on the same warm machine, each its command alone:
+#   call 8, on 677fd19 (its build from call 7; a try before it without ZIPKV_REAL_KV stopped at once, 12 s, asking
+#   for the SmolLM2 package that the probe's default data needs):
+#     ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt python3 .box/probe3.py $OUT/probe_port.json 0   (81 s)
+#     -> probe_port.json: 314.2 us against FlashInfer's 129.2 (0.411x); batch 8 2,302.8 against 917.3 (0.398x)
+#   call 9, on main (9cc31e5), built over call 7's build folder (`bash .box/box.sh build`), then
+#     python3 .box/probe3.py $OUT/probe_main_same_machine.json 0   (48 s)
+#     -> main's kernel 291.9 against 129.1 (0.442x); batch 8 2,168.4 against 919.6 (0.424x)
+#   call 10, on f6cc75a, built the same way, then
+#     python3 .box/probe3.py $OUT/probe_planners.json 0 512 1024 515   (55 s)
+#     -> probe_planners.json, batch 1 / batch 8 in us (FlashInfer 128.9-129.2 / 911.7-921.8): 0 292.4 / 2,163.3;
+#        512 309.8 / 2,227.0; 1024 310.9 / 2,310.9; 515 165.9 / 1,246.5 (no rebuild: its output is not compared)
+# Then 202 s of the budget were left: too little to start another machine.
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT/sat"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
