@@ -229,7 +229,7 @@ ZIPKV_PREFILL_PROBE=1024 timeout 60 python3 -m pytest test/test_paged_prefill_cu
 echo "tested at $SECONDS s"
 timeout 90 python3 .box/probe3.py "$OUT/probe_planners.json" 0 512 1024 515 2>&1 | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
-# 06:41-07:17 UTC (the next session): six asks got no machine (five failed starts, one refused ask: 736 s of the
+# 06:41-07:17 UTC: six asks got no machine (five failed starts, one refused ask: 736 s of the
 # 1,800 s budget).
 # ---- .box/run51.sh: call 7, 07:28 UTC, kind left out, an H100 80GB HBM3, on 677fd19 (the tip of port/prefill-copier):
 # its CUDA prefill and engine tests in full, 512 x 8K x 1 and x 8 against FlashInfer in the same run, then issue 31's
