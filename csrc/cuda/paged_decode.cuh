@@ -83,6 +83,18 @@ struct Params {
   int nnz_q, cols, causal;
 };
 
+// kMulti's slots of 32 columns (four head tiles, d <= 128): O alone is 128 registers a thread at d 128, so K and V
+// are rebuilt a block at a time right before their MMAs (the kernel's main loop) and Q stays in shared memory (its
+// fragments would take 64 registers). (Two head tiles at d 128 the same way, for 3 CTAs per SM as decode's one head
+// tile has: 168 registers and 56 bytes of spills with Q in registers, and with Q in shared memory a warp's ring no
+// longer holds two raw tiles: not built.)
+template <int D, bool kMulti, int kHeadTiles>
+constexpr bool kBlockwise = kHeadTiles == 4;
+template <int D, bool kMulti, int kHeadTiles>
+constexpr int q_smem_cols() {
+  return kBlockwise<D, kMulti, kHeadTiles> ? 8 * kHeadTiles : 0;
+}
+
 // Bytes of a tile record (TileRec<D>, below): at d 64 it carries its blocks' tables too.
 template <int D>
 constexpr int kTileRecBytes = D == 64 ? 64 : 32;
@@ -90,17 +102,17 @@ constexpr int kTileRecBytes = D == 64 ? 64 : 32;
 // Geometry and pipeline depth per head_dim, target residency (kCtas CTAs per SM) and warps per CTA. Each warp owns a
 // byte ring in shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K
 // bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds
-// the tiles in the ring at once (one mbarrier each). kHeadTiles: MMA N tiles of 8 columns; with 4 (kMulti's 32 query
-// rows) Q^T's fragments would take 64 registers beside O's 128 at d 128, so Q stays in shared memory (rows of D + 8
-// bf16: conflict-free ldmatrix) and each tile reads its fragments from there.
-template <int D, int kCtas = 1, int kWarps = 4, int kHeadTiles = 1>
+// the tiles in the ring at once (one mbarrier each). kQCols: 0, Q^T's fragments held in registers; else the columns
+// of Q kept in shared memory (rows of D + 8 bf16: conflict-free ldmatrix), each tile reading its fragments from there
+// (q_smem_cols, below).
+template <int D, int kCtas = 1, int kWarps = 4, int kQCols = 0>
 struct Cfg {
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr bool kQShared = kHeadTiles == 4;
+  static constexpr bool kQShared = kQCols > 0;
   static constexpr int kQStride = D + 8;
-  static constexpr int kQBytes = kQShared ? 8 * kHeadTiles * kQStride * 2 : 0;
-  static constexpr int kMergeRows = kHeadTiles <= 2 ? 16 : 8 * kHeadTiles;  // a warp's rows in the warp merge
-  static constexpr int kBlocks = D / kBlockDims;                            // blocks per tile, of K and of V each
+  static constexpr int kQBytes = kQCols * kQStride * 2;
+  static constexpr int kMergeRows = kQCols > 16 ? kQCols : 16;  // a warp's rows in the warp merge
+  static constexpr int kBlocks = D / kBlockDims;                // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
   static constexpr int kTableBytes = kWarps * 64 * kTileRecBytes<D>;  // per warp, two rounds of 32 tile records
@@ -411,7 +423,7 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
 // ---------------------------------------------------------------------------------------------- the kernel
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
-  using C = Cfg<D, kCtas, kWarps, kHeadTiles>;
+  using C = Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   static_assert(kN != 4 || (kMulti && D <= 128), "4 head tiles: kMulti's 32 rows, O in at most 128 registers");
   // Mixed streams take rebuild_pair's lines at d 64 and 128 with one head tile; with two head tiles (d 64: 128
@@ -420,7 +432,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // A tile's ring bytes are released once its V is in registers, before the softmax and PV. V then stays live
   // across them, which spills with two head tiles at d 64 (128 registers) and d 256: those release after PV.
   // With four head tiles V is rebuilt block by block inside P V (below): its bytes stay in the ring until then.
-  constexpr bool kEarlyRelease = (kN == 1 || D == 128) && kN != 4;
+  constexpr bool kEarlyRelease = (kN == 1 || D == 128) && !kBlockwise<D, kMulti, kN>;
   // Pairs of all-compressed tiles in one straight line (below) at d 64 with one head tile, where one tile's rebuild
   // chain leaves the warps stalled (v21). d 128 waits on memory instead, and has no registers to spare.
   constexpr bool kPairTiles = D == 64 && kN == 1;
@@ -824,7 +836,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       auto kept = [&](int tok) { return tok >= lo && tok < hi_any; };
       return (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
     };
-    if constexpr (kN == 4) {
+    if constexpr (kBlockwise<D, kMulti, kN>) {
       // Four head tiles: O takes 128 registers at d 128, so K and V are rebuilt a block at a time, each right before
       // its MMAs (K's before S, V's inside P V after the softmax), Q's fragments read from shared memory per block,
       // and S in one chain: rebuilding whole streams first, as below, spilled 264 bytes. The ring bytes are released

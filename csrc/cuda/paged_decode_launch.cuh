@@ -15,7 +15,7 @@ void set_smem_limit() {
   // Per device (smem_limit.cuh), outside any graph capture in practice (the first call on a device runs eagerly).
   static SmemFlags done{};
   ::zipkv::cuda::set_smem_limit(paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>,
-                                Cfg<D, kCtas, kWarps, kHeadTiles>::kSmemBytes, done);
+                                Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>::kSmemBytes, done);
 }
 
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
@@ -26,9 +26,9 @@ int occupancy() {
   if (n.load(std::memory_order_acquire) == 0) {
     set_smem_limit<D, kMulti, kHeadTiles, kCtas, kWarps>();
     int ctas = 0;
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>,
-                                                      32 * kWarps, Cfg<D, kCtas, kWarps, kHeadTiles>::kSmemBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &ctas, paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>, 32 * kWarps,
+        Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>::kSmemBytes));
     n.store(ctas, std::memory_order_release);
   }
   return n.load(std::memory_order_acquire);
@@ -39,7 +39,7 @@ void launch_kernel(const Params& p, cudaStream_t stream) {
   set_smem_limit<D, kMulti, kHeadTiles, kCtas, kWarps>();
   const unsigned int ctas = static_cast<unsigned int>(p.slots * p.H * p.num_splits);
   paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>
-      <<<ctas, 32 * kWarps, Cfg<D, kCtas, kWarps, kHeadTiles>::kSmemBytes, stream>>>(p);
+      <<<ctas, 32 * kWarps, Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>::kSmemBytes, stream>>>(p);
 }
 
 // The variant serving a head_dim, MMA columns and warps per CTA: kHeadTiles = 2 when the columns (the group's
