@@ -297,3 +297,25 @@ echo "tested at $SECONDS s"
 timeout 300 python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters 20 2>&1 | grep -v "Warn\|warn" \
   | tail -14
 echo "all $SECONDS s"
+# ---- .box/run53.sh (not yet run): why planning over four warps (probe 512, 309.8 us) is slower than one planner
+# warp (292.4 us) when the rebuild runs, though it lowers the floor without it (165.9 against 210.5): Nsight Compute on
+# f6cc75a's probes 0 and 512, the same target and sections as call 5. To compare: issue slots busy, the compute warps'
+# stall reasons (no_instruction: instruction fetch; selected/not_selected: issue slots), their instructions a chunk.
+# About 4 min on an H100 (.box/ncu_prefill.py = ../h100_2026-12-06/ncu_prefill.py):
+#   git checkout f6cc75a && OUT=$OUT timeout 400 bash .box/run53.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+for probe in 0 512; do
+  ZIPKV_PREFILL_PROBE=$probe timeout 150 ncu --clock-control none --set full --import-source no -k regex:paged_prefill \
+    -s 2 -c 1 -o $OUT/prefill_$probe python3 .box/ncu_prefill.py > $OUT/ncu_$probe.log 2>&1
+  ncu -i $OUT/prefill_$probe.ncu-rep --page details > $OUT/details_$probe.txt 2>&1
+  ncu -i $OUT/prefill_$probe.ncu-rep --page source --csv --print-source sass > $OUT/sass_$probe.csv 2>&1
+  grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible" $OUT/details_$probe.txt | head -6
+  rm -f $OUT/prefill_$probe.ncu-rep
+done
+echo "all $SECONDS s"
