@@ -275,14 +275,14 @@ timeout $((LIMIT - SECONDS)) python3 benchmarks/bench_prefix.py --out "$OUT/sat"
   2>&1 | grep --line-buffered "shared /\|    decode"
 rm -f "$OUT"/*/*.png
 echo "all $SECONDS s"
-# ---- .box/run52.sh (not yet run): short queries of 17-32 rows in one slot of 32 (d3f6273, branch
+# ---- .box/run52.sh (not yet run): short queries of 17-32 rows in one slot of 32 (2a00620, branch
 # exp/decode-32cols: four MMA N tiles in the decode kernel's kMulti variant at head_dim <= 128 and group >= 2, Q's
 # fragments from shared memory, K and V rebuilt a block at a time; compiled offline with no spills at d 64, 12 bytes
 # at d 128, 255 registers; the decode variants' SASS unchanged). Its CUDA prefill and engine tests in full, then the
 # speculative cases with zipkv's own decode and FlashInfer in the same run. Predicted: q_len 8 from 2.33-2.38x zipkv's
 # decode to ~1.2-1.4x (one pass over the pages for 32 rows, where two slots of 16 each made one; q_len 4 took 1.12x
 # with two N tiles); q_len 2 and 4 unchanged. About 6-8 min on an H100:
-#   git checkout d3f6273 && OUT=$OUT timeout 560 bash .box/run52.sh
+#   git checkout 2a00620 && OUT=$OUT timeout 560 bash .box/run52.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
