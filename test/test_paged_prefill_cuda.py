@@ -135,7 +135,7 @@ def short_q_lens(kv_lens, group, gen):
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 12, 16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_short_queries_match_reference_and_cpu(gen, head_dim, group, causal):
-    """The decode kernel's short-query variant: q_len 1 to 32 / group, slots of 8 or 16 rows that cut across a
+    """The decode kernel's short-query variant: q_len 1 to 32 / group, slots of 8, 16 or 32 rows that cut across a
     request's tokens (group 3, 5, 12), partial tiles at both ends of a row's keys."""
     heads = 2
     kv = with_zeros(random_kv(60, 16, heads, head_dim, gen), gen)
