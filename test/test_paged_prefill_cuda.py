@@ -82,14 +82,16 @@ def test_not_causal_takes_fewer_keys_than_queries(gen, kernel):
 
 def test_prefill_plan_picks_the_kernel(gen):
     """Up to 32 query rows (q_len x group) per request on average: the decode kernel, 8 rows a CTA up to 8 on average,
-    else 16, in CTAs of 4 warps; more: the tile kernel's 128 rows, in 8 compute warps and a producer; an empty batch
-    launches nothing. The decode kernel splits a small batch's
-    long pages as decode_plan does."""
+    16 up to 16, else 32 (16 for a group of 1, whose 32 rows span more tokens than a slot's bounds can tell apart, and
+    at head_dim 256), in CTAs of 4 warps; more: the tile kernel's 128 rows, in 8 compute warps and a producer; an
+    empty batch launches nothing. The decode kernel splits a small batch's long pages as decode_plan does."""
     kv = random_kv(600, 16, 2, 128, gen)
     for kv_lens, q_lens, heads, kernel, rows in [
             ([1000] * 8, [4] * 8, 4, "decode", 8),      # spec. verification, group 2: 8 rows
             ([1000] * 8, [4] * 8, 8, "decode", 16),     # group 4: 16 rows
-            ([1000] * 8, [8] * 8, 8, "decode", 16),     # 32 rows: two CTAs of 16
+            ([1000] * 8, [8] * 8, 8, "decode", 32),     # 32 rows: one CTA
+            ([1000] * 8, [5] * 8, 8, "decode", 32),     # 20 rows
+            ([1000] * 8, [32] * 8, 2, "decode", 16),    # group 1, 32 rows: two CTAs of 16
             ([1000] * 8, [9] * 8, 8, "tiles", 128),     # 36 rows
             ([1000] * 4, [100, 1, 1, 1], 2, "decode", 16),  # ragged: 103 rows over 4 requests
             ([1000] * 2, [512, 512], 8, "tiles", 128)]:
@@ -104,6 +106,26 @@ def test_prefill_plan_picks_the_kernel(gen):
     assert empty == {"kernel": None, "num_splits": 0, "warps_per_cta": 0, "ctas_per_sm": 0, "rows_per_cta": 0}
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [2, 3, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_short_queries_in_slots_of_32_rows(gen, head_dim, group, causal):
+    """Over 16 query rows per request on average (head_dim <= 128, group >= 2): one slot of 32 rows per request and
+    kv head (four MMA N tiles, Q's fragments from shared memory, K and V rebuilt a block at a time), the rows' bounds
+    up to 15 tokens apart; with a window and a soft cap too, on mixed pages with partial tiles."""
+    heads = 2
+    kv = with_zeros(random_kv(60, 16, heads, head_dim, gen), gen)
+    raw_pages = torch.rand(60, generator=gen) < 0.4
+    kv_lens = [100, 16, 17, 250, 45, 300, 33, 40]
+    q_lens = [min(n, 32 // group) for n in kv_lens]
+    ckv, qo, table, q = prefill_case(kv, raw_pages, kv_lens, q_lens, heads * group, gen)
+    assert plan_of(q, qo, ckv, table)["rows_per_cta"] == 32
+    for kw in [{}, {"window_left": 20}, {"logits_soft_cap": 5.0}]:
+        out, lse, cpu, ref, ref_lse = prefill_all(kv, raw_pages, kv_lens, q_lens, heads * group, gen, causal=causal,
+                                                  kernel="decode", **kw)
+        check(out, lse, cpu, ref, ref_lse)
+
+
 def short_q_lens(kv_lens, group, gen):
     """A q length per request in [1, min(kv_len, 32 / group)]: at most 32 rows each, the decode kernel's."""
     return [int(torch.randint(1, max(1, min(n, 32 // group)) + 1, (), generator=gen)) for n in kv_lens]
@@ -113,7 +135,7 @@ def short_q_lens(kv_lens, group, gen):
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 12, 16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_short_queries_match_reference_and_cpu(gen, head_dim, group, causal):
-    """The decode kernel's short-query variant: q_len 1 to 32 / group, slots of 8 or 16 rows that cut across a
+    """The decode kernel's short-query variant: q_len 1 to 32 / group, slots of 8, 16 or 32 rows that cut across a
     request's tokens (group 3, 5, 12), partial tiles at both ends of a row's keys."""
     heads = 2
     kv = with_zeros(random_kv(60, 16, heads, head_dim, gen), gen)
@@ -188,7 +210,8 @@ def test_real_kv_mixed_pages(real_kv, gen):
         kv = real_kv[layer]
         n = kv.shape[0]
         for kv_lens, q_lens, kernel in [([1200, 333, 400, 64], [512, 333, 8, 2], "tiles"),
-                                        ([1000, 333, 300, 64, 250], [4, 8, 2, 1, 10], "decode")]:
+                                        ([1000, 333, 300, 64, 250], [4, 8, 2, 1, 10], "decode"),
+                                        ([1000, 333, 300, 64], [10, 9, 10, 6], "decode")]:  # slots of 32 rows
             q = kv[torch.randint(0, n, (sum(q_lens),), generator=gen), 0, 3].repeat_interleave(3, dim=1)
             out, lse, cpu, ref, ref_lse = prefill_all(kv, torch.rand(n, generator=gen) < 0.3, kv_lens, q_lens, 9,
                                                       gen, q=q, kernel=kernel)

@@ -274,7 +274,8 @@ def prefill_plan(q: torch.Tensor, qo_indptr: torch.Tensor, meta: torch.Tensor, n
     Returns ``{"kernel", "num_splits", "warps_per_cta", "ctas_per_sm", "rows_per_cta"}``. ``kernel`` is
     ``"decode"`` for short queries (at most 32 query rows, q_len x group, per request on average: speculative
     verification, a few decode steps at once), served by the decode kernel, which streams each tile once for up to
-    ``rows_per_cta`` (8 or 16) query rows of a request and may split a request's pages like :func:`decode_plan`;
+    ``rows_per_cta`` (8, 16 or 32: 32 at head_dim <= 128 with a GQA group of 2 or more) query rows of a
+    request and may split a request's pages like :func:`decode_plan`;
     ``"tiles"`` for longer ones (chunked prefill): the tile kernel, 128 query rows per CTA (8 warps
     of 16 and a planner warpgroup: ``warps_per_cta`` 12), never split (``ctas_per_sm`` 0: not asked); ``None`` for an
     empty batch (nothing is launched). Only shapes are read, so it never syncs. A host query: call it outside

@@ -30,7 +30,7 @@
 //
 // Many query tokens per request (kMulti: paged_prefill's short queries, e.g. speculative verification with q_len 2-8):
 // the same kernel with the N columns taken by a request's query rows (row r = token r / group, head r % group of the
-// kv head's group) instead of its group's heads. A CTA takes one slot of `cols` (8 or 16) consecutive rows of one
+// kv head's group) instead of its group's heads. A CTA takes one slot of `cols` (8, 16 or 32) consecutive rows of one
 // request, found by a prefix sum over qo_indptr, so every tile it streams serves all of them: the KV is read once per
 // slot, not once per query token. The rows' causal and window bounds differ by their token's offset in the slot
 // (below 16), kept per MMA column in 4 bits; the grid covers the most slots any qo_indptr of this nnz_q and batch
@@ -83,6 +83,18 @@ struct Params {
   int nnz_q, cols, causal;
 };
 
+// kMulti's slots of 32 columns (four head tiles, d <= 128): O alone is 128 registers a thread at d 128, so K and V
+// are rebuilt a block at a time right before their MMAs (the kernel's main loop) and Q stays in shared memory (its
+// fragments would take 64 registers). (Two head tiles at d 128 the same way, for 3 CTAs per SM as decode's one head
+// tile has: 168 registers and 56 bytes of spills with Q in registers, and with Q in shared memory a warp's ring no
+// longer holds two raw tiles: not built.)
+template <int D, bool kMulti, int kHeadTiles>
+constexpr bool kBlockwise = kHeadTiles == 4;
+template <int D, bool kMulti, int kHeadTiles>
+constexpr int q_smem_cols() {
+  return kBlockwise<D, kMulti, kHeadTiles> ? 8 * kHeadTiles : 0;
+}
+
 // Bytes of a tile record (TileRec<D>, below): at d 64 it carries its blocks' tables too.
 template <int D>
 constexpr int kTileRecBytes = D == 64 ? 64 : 32;
@@ -90,30 +102,44 @@ constexpr int kTileRecBytes = D == 64 ? 64 : 32;
 // Geometry and pipeline depth per head_dim, target residency (kCtas CTAs per SM) and warps per CTA. Each warp owns a
 // byte ring in shared memory as large as kCtas CTAs per SM leave room for; a tile takes exactly its stored size (K
 // bytes then V bytes), so compressed tiles keep 4/3 more tiles in flight than raw ones in the same room. kSlots bounds
-// the tiles in the ring at once (one mbarrier each).
-template <int D, int kCtas = 1, int kWarps = 4>
+// the tiles in the ring at once (one mbarrier each). kQCols: 0, Q^T's fragments held in registers; else the columns
+// of Q kept in shared memory (rows of D + 8 bf16: conflict-free ldmatrix), each tile reading its fragments from there
+// (q_smem_cols, below).
+template <int D, int kCtas = 1, int kWarps = 4, int kQCols = 0>
 struct Cfg {
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlocks = D / kBlockDims;  // blocks per tile, of K and of V each
+  static constexpr bool kQShared = kQCols > 0;
+  static constexpr int kQStride = D + 8;
+  static constexpr int kQBytes = kQCols * kQStride * 2;
+  static constexpr int kMergeRows = kQCols > 16 ? kQCols : 16;  // a warp's rows in the warp merge
+  static constexpr int kBlocks = D / kBlockDims;                // blocks per tile, of K and of V each
   static constexpr int kMaxTileBytes = 2 * kBlocks * kRawBlockBytes;
   static constexpr int kMinTileBytes = 2 * kBlocks * kCompBlockBytes;
   static constexpr int kTableBytes = kWarps * 64 * kTileRecBytes<D>;  // per warp, two rounds of 32 tile records
   // sm_90: 227 KB of shared memory per SM for CTAs, 1 KB of it reserved per CTA; 1 KB here for the mbarriers.
   static constexpr int kCtaBytes = 227 * 1024 / kCtas - 1024;
-  static constexpr int kRingBytes = (kCtaBytes - kTableBytes - 1024) / kWarps / 256 * 256;
+  static constexpr int kRingBytes = (kCtaBytes - kTableBytes - kQBytes - 1024) / kWarps / 256 * 256;
   static constexpr int kSlots = kRingBytes / kMinTileBytes;
   static constexpr int kPipeBytes = kWarps * kRingBytes;
   static constexpr int kBarBytes = kWarps * kSlots * 8;  // one mbarrier per warp and slot
-  static constexpr int kSmemBytes = kPipeBytes + kBarBytes + kTableBytes;
+  static constexpr int kSmemBytes = kPipeBytes + kBarBytes + kTableBytes + kQBytes;
   static_assert(kRingBytes >= 2 * kMaxTileBytes, "a warp's ring holds two tiles of any kind");
   static_assert(kBarBytes <= 1024 && kSmemBytes <= kCtaBytes, "the CTAs fit on one SM");
-  static_assert(kWarps * 16 * D * 4 + kWarps * 16 * 2 * 4 <= kPipeBytes, "warp merge reuses the pipeline buffers");
+  static_assert(kWarps * kMergeRows * D * 4 + kWarps * kMergeRows * 2 * 4 <= kPipeBytes,
+                "warp merge reuses the pipeline buffers");
   static_assert(kBarBytes % 16 == 0, "the tile records after the mbarriers stay aligned");
 };
 
 // ---------------------------------------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Four 8x8 b16 matrices from shared memory: lane l gives row l % 8 of matrix l / 8, and gets row l / 4, elements
+// 2 (l % 4) and 2 (l % 4) + 1 of each.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
@@ -397,14 +423,16 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
 // ---------------------------------------------------------------------------------------------- the kernel
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
-  using C = Cfg<D, kCtas, kWarps>;
+  using C = Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
+  static_assert(kN != 4 || (kMulti && D <= 128), "4 head tiles: kMulti's 32 rows, O in at most 128 registers");
   // Mixed streams take rebuild_pair's lines at d 64 and 128 with one head tile; with two head tiles (d 64: 128
   // registers at 4 CTAs/SM) they would spill, and d 256 has too many pairs.
   constexpr bool kPairLines = kB <= 4 && kN == 1;
   // A tile's ring bytes are released once its V is in registers, before the softmax and PV. V then stays live
   // across them, which spills with two head tiles at d 64 (128 registers) and d 256: those release after PV.
-  constexpr bool kEarlyRelease = kN == 1 || D == 128;
+  // With four head tiles V is rebuilt block by block inside P V (below): its bytes stay in the ring until then.
+  constexpr bool kEarlyRelease = (kN == 1 || D == 128) && !kBlockwise<D, kMulti, kN>;
   // Pairs of all-compressed tiles in one straight line (below) at d 64 with one head tile, where one tile's rebuild
   // chain leaves the warps stalled (v21). d 128 waits on memory instead, and has no registers to spare.
   constexpr bool kPairTiles = D == 64 && kN == 1;
@@ -490,21 +518,42 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   const int tiles_per_page = p.page_size / kTileTokens;
   auto tile_of = [&](int i) { return chunk_begin + warp + i * kWarps; };
 
-  // Q^T fragments (B operand): column 8 n + g, dims 16 kc + {2t, 2t+1} and 16 kc + {2t+8, 2t+9}.
-  uint32_t qb[kN][D / 16][2];
+  // Q^T fragments (B operand): column 8 n + g, dims 16 kc + {2t, 2t+1} and 16 kc + {2t+8, 2t+9}; in registers, or
+  // (C::kQShared) column c's dims in row c of the Q tile, zeros where c is no row.
+  constexpr int kQN = C::kQShared ? 1 : kN, kQK = C::kQShared ? 1 : D / 16;
+  uint32_t qb[kQN][kQK][2];
+  uint16_t* const qs = reinterpret_cast<uint16_t*>(smem + C::kPipeBytes + C::kBarBytes + C::kTableBytes);
+  if constexpr (C::kQShared) {
+    for (int x = threadIdx.x; x < 8 * kN * (D / 8); x += C::kThreads) {
+      const int col = x / (D / 8), piece = x % (D / 8);
+      const uint4 v = is_row(col) ? *reinterpret_cast<const uint4*>(p.q + out_row(col) * D + 8 * piece)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(qs + col * C::kQStride + 8 * piece) = v;
+    }
+    __syncthreads();
+  } else {
 #pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    const int col = 8 * n + g;
-    const bool real = is_row(col);
-    const int64_t qrow = real ? out_row(col) : 0;
+    for (int n = 0; n < kN; ++n) {
+      const int col = 8 * n + g;
+      const bool real = is_row(col);
+      const int64_t qrow = real ? out_row(col) : 0;
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc)
+      for (int kc = 0; kc < D / 16; ++kc)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int dim = 16 * kc + 2 * t + 8 * j;
-        qb[n][kc][j] = real ? *reinterpret_cast<const uint32_t*>(p.q + qrow * D + dim) : 0u;
-      }
+        for (int j = 0; j < 2; ++j) {
+          const int dim = 16 * kc + 2 * t + 8 * j;
+          qb[n][kc][j] = real ? *reinterpret_cast<const uint32_t*>(p.q + qrow * D + dim) : 0u;
+        }
+    }
   }
+  // Q^T's fragments of N tile n for 32-dim block c: k-step 2c's two registers, then k-step 2c + 1's.
+  auto q_frag = [&](int n, int c, uint32_t (&f)[4]) {
+    if constexpr (C::kQShared) {
+      ldmatrix_x4(f, qs + (8 * n + lane % 8) * C::kQStride + 32 * c + 8 * (lane / 8));
+    } else {
+      f[0] = qb[n][2 * c][0], f[1] = qb[n][2 * c][1], f[2] = qb[n][2 * c + 1][0], f[3] = qb[n][2 * c + 1][1];
+    }
+  };
 
   uint8_t* ring = smem + warp * C::kRingBytes;
   const uint32_t bars = smem_addr(smem + C::kPipeBytes) + warp * kSlots * 8;
@@ -578,10 +627,10 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     else return table_at(descs, j);
   };
 
-  // Softmax and PV of one tile whose S^T (st: the sum of its two halves' accumulators) and V registers are ready;
-  // token k of the tile weighs 0 for a column unless lo <= k - its dlo and k - its dhi < hi (lo = lo_min and hi =
-  // hi_min relative to the tile's first token).
-  auto attend = [&](const float (&st)[kN][4], const uint32_t (&vr)[kB][8], int hi, int lo) {
+  // The softmax of one tile whose S^T (st: the sum of its two halves' accumulators) is ready, into P^T (pb, B operand
+  // order); token k of the tile weighs 0 for a column unless lo <= k - its dlo and k - its dhi < hi (lo = lo_min and
+  // hi = hi_min relative to the tile's first token).
+  auto weigh = [&](const float (&st)[kN][4], int hi, int lo, uint32_t (&pb)[kN][2]) {
     // Online softmax (base 2) per head; the 8 lanes of a head (g = 0..7, same t) share its running max m_run. A tile
     // whose logits all stay within kMaxSlack of m_run is weighed against the stale m_run as it is: its weights stay
     // below 2^kMaxSlack (as exact in float32 and bf16 as weights below 1), so it needs no cross-lane max and no
@@ -631,7 +680,6 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
 #pragma unroll
           for (int j = 0; j < 4; ++j) o[mt][n][j] *= alpha[n][j % 2];
     }
-    uint32_t pb[kN][2];
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
 #pragma unroll
@@ -645,16 +693,22 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       pb[n][0] = transpose8x8(pack_bf16(x[n][0], x[n][1]));
       pb[n][1] = transpose8x8(pack_bf16(x[n][2], x[n][3]));
     }
-
-    // O^T += V^T P^T: block c's V words 4 h .. 4 h + 3 are, in order, the A registers of its 16-dim tile 2 c + h
-    // (dims 32 c + 16 h + g, then + 8, of tokens 2t.., then 2t + 8..).
+  };
+  // O^T += V^T P^T for block c's V words (vc): words 4 h .. 4 h + 3 are, in order, the A registers of its 16-dim tile
+  // 2 c + h (dims 32 c + 16 h + g, then + 8, of tokens 2t.., then 2t + 8..).
+  auto pv_block = [&](int c, const uint32_t (&vc)[8], const uint32_t (&pb)[kN][2]) {
 #pragma unroll
-    for (int c = 0; c < kB; ++c)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int n = 0; n < kN; ++n)
+        mma(o[2 * c + h][n], vc[4 * h], vc[4 * h + 1], vc[4 * h + 2], vc[4 * h + 3], pb[n][0], pb[n][1]);
+  };
+  // Softmax and P V of a tile whose V registers (vr) are ready.
+  auto attend = [&](const float (&st)[kN][4], const uint32_t (&vr)[kB][8], int hi, int lo) {
+    uint32_t pb[kN][2];
+    weigh(st, hi, lo, pb);
 #pragma unroll
-        for (int n = 0; n < kN; ++n)
-          mma(o[2 * c + h][n], vr[c][4 * h], vr[c][4 * h + 1], vr[c][4 * h + 2], vr[c][4 * h + 3], pb[n][0], pb[n][1]);
+    for (int c = 0; c < kB; ++c) pv_block(c, vr[c], pb);
   };
 
   if (n_mine > 0) fill(0);
@@ -775,6 +829,66 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
         }
       }
     };
+    // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
+    // the V values of those no column attends to, as 0 * NaN would poison the product although their probability
+    // is 0. Lane word j holds tokens 2t, 2t + 1 (j / 2 even) or 2t + 8, 2t + 9 (j / 2 odd).
+    auto v_mask = [&](int j) {
+      auto kept = [&](int tok) { return tok >= lo && tok < hi_any; };
+      return (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
+    };
+    if constexpr (kBlockwise<D, kMulti, kN>) {
+      // Four head tiles: O takes 128 registers at d 128, so K and V are rebuilt a block at a time, each right before
+      // its MMAs (K's before S, V's inside P V after the softmax), Q's fragments read from shared memory per block,
+      // and S in one chain: rebuilding whole streams first, as below, spilled 264 bytes. The ring bytes are released
+      // after P V.
+      auto block_words = [&](int kv, int c, int& off, uint32_t (&w)[8]) {
+        const uint8_t desc = desc_at(descs, kv * kB + c);
+        if (tile_comp) {
+          rebuild_compressed(stage + kCompBlockBytes * (kv * kB + c), tables(kv * kB + c), lane, w);
+        } else {
+          rebuild_any(stage + (kv ? k_bytes : 0u) + off, desc, tables(kv * kB + c), lane, w);
+          off += block_size(desc);
+        }
+      };
+      float st[kN][4];
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) st[n][j] = 0.f;
+      int off = 0;
+#pragma unroll
+      for (int c = 0; c < kB; ++c) {
+        uint32_t kc[8];
+        block_words(0, c, off, kc);
+#pragma unroll
+        for (int n = 0; n < kN; ++n) {
+          uint32_t qf[4];
+          q_frag(n, c, qf);
+          mma(st[n], kc[0], kc[1], kc[2], kc[3], qf[0], qf[1]);
+          mma(st[n], kc[4], kc[5], kc[6], kc[7], qf[2], qf[3]);
+        }
+      }
+      const bool v_masked = hi_any < kTileTokens || lo > 0;
+      uint32_t pb[kN][2];
+      weigh(st, hi, lo, pb);
+      off = 0;
+#pragma unroll
+      for (int c = 0; c < kB; ++c) {
+        uint32_t vc[8];
+        block_words(1, c, off, vc);
+        if (v_masked) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) vc[j] &= v_mask(j / 2 % 2);
+        }
+        pv_block(c, vc, pb);
+      }
+      used -= (wrap ? C::kRingBytes - tail_at : 0) + size;
+      tail_at = start + size;
+      __syncwarp();  // every lane is done reading tile i before its bytes and slot are reused
+      fill(i + 1);
+      continue;
+    }
+
     uint32_t kr[kB][8];
     rebuild_blocks(0, kr);
 
@@ -789,24 +903,20 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       for (int j = 0; j < 4; ++j) s[n][j] = 0.f, s2[n][j] = 0.f;
 #pragma unroll
     for (int c = 0; c < kB; ++c) {
+      uint32_t qf[kN][4];
+#pragma unroll
+      for (int n = 0; n < kN; ++n) q_frag(n, c, qf[n]);
 #pragma unroll
       for (int n = 0; n < kN; ++n) {
-        mma(s[n], kr[c][0], kr[c][1], kr[c][2], kr[c][3], qb[n][2 * c][0], qb[n][2 * c][1]);
-        mma(s2[n], kr[c][4], kr[c][5], kr[c][6], kr[c][7], qb[n][2 * c + 1][0], qb[n][2 * c + 1][1]);
+        mma(s[n], kr[c][0], kr[c][1], kr[c][2], kr[c][3], qf[n][0], qf[n][1]);
+        mma(s2[n], kr[c][4], kr[c][5], kr[c][6], kr[c][7], qf[n][2], qf[n][3]);
       }
     }
 
     uint32_t vr[kB][8];
     rebuild_blocks(1, vr);
     if (hi_any < kTileTokens || lo > 0) {
-      // Tokens past the end of a partial tile (or before a window) may hold anything (even NaN bit patterns): zero
-      // the V values of those no column attends to, as 0 * NaN would poison the product although their probability
-      // is 0. Lane word j holds tokens 2t, 2t + 1 (j / 2 even) or 2t + 8, 2t + 9 (j / 2 odd).
-      auto kept = [&](int tok) { return tok >= lo && tok < hi_any; };
-      uint32_t vmask[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        vmask[j] = (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
+      const uint32_t vmask[2] = {v_mask(0), v_mask(1)};
 #pragma unroll
       for (int c = 0; c < kB; ++c)
 #pragma unroll
@@ -838,17 +948,18 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       if (refused) l_run[n][j] = __int_as_float(0x7FFFFFFF);
     }
   __syncthreads();
-  float* ow = reinterpret_cast<float*>(smem);  // [kWarps][16][D]
-  float* ml = ow + kWarps * 16 * D;            // [kWarps][16][2]
+  constexpr int kMR = C::kMergeRows;
+  float* ow = reinterpret_cast<float*>(smem);  // [kWarps][kMR][D]
+  float* ml = ow + kWarps * kMR * D;           // [kWarps][kMR][2]
 #pragma unroll
   for (int n = 0; n < kN; ++n)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int row = 8 * n + 2 * t + j;
-      float* dst = ow + (warp * 16 + row) * D + g;
+      float* dst = ow + (warp * kMR + row) * D + g;
 #pragma unroll
       for (int mt = 0; mt < D / 16; ++mt) dst[16 * mt] = o[mt][n][j], dst[16 * mt + 8] = o[mt][n][2 + j];
-      if (g == 0) ml[(warp * 16 + row) * 2] = m_run[n][j], ml[(warp * 16 + row) * 2 + 1] = l_run[n][j];
+      if (g == 0) ml[(warp * kMR + row) * 2] = m_run[n][j], ml[(warp * kMR + row) * 2 + 1] = l_run[n][j];
     }
   __syncthreads();
 
@@ -862,16 +973,16 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
     bool poisoned = false;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      m = fmaxf(m, ml[(w * 16 + row) * 2]);
-      poisoned |= ml[(w * 16 + row) * 2 + 1] != ml[(w * 16 + row) * 2 + 1];
+      m = fmaxf(m, ml[(w * kMR + row) * 2]);
+      poisoned |= ml[(w * kMR + row) * 2 + 1] != ml[(w * kMR + row) * 2 + 1];
     }
     float l = 0.f, acc = 0.f;
     if (m != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float f = exp2f(ml[(w * 16 + row) * 2] - m);
-        l += ml[(w * 16 + row) * 2 + 1] * f;
-        acc += ow[(w * 16 + row) * D + dim] * f;
+        const float f = exp2f(ml[(w * kMR + row) * 2] - m);
+        l += ml[(w * kMR + row) * 2 + 1] * f;
+        acc += ow[(w * kMR + row) * D + dim] * f;
       }
     }
     const float val = bad_request || poisoned ? nan : l == 0.f ? 0.f : acc / l;

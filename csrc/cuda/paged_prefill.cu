@@ -32,14 +32,18 @@ constexpr int64_t kShortRows = 32;
 bool short_queries(int64_t nnz_q, int64_t batch, int64_t group) { return nnz_q * group <= kShortRows * batch; }
 
 // The decode kernel's MMA columns for short queries and its launch. Request b takes ceil(q_len_b x group / cols)
-// slots per kv head: 8 columns when a request's rows fit one N tile on average; the plan is made for an even batch.
+// slots per kv head: 8 columns when a request's rows fit one N tile on average, 16 when two, else 32 (one pass over
+// the pages for up to 32 rows, where two slots of 16 each streamed them) at head_dim <= 128 (O in 128 registers) and
+// a group of 2 or more (a slot's query tokens span at most 16: the kernel's 4-bit bounds per column); the plan is
+// made for an even batch.
 struct ShortLaunch {
   int cols;
   DecodeLaunch plan;
 };
 ShortLaunch plan_short(int64_t nnz_q, int64_t batch, int64_t group, int64_t kv_heads, int64_t nnz_pages,
                        int64_t page_size, int head_dim, int64_t window_left) {
-  const int cols = nnz_q * group <= 8 * batch ? 8 : 16;
+  const bool wide = head_dim <= 128 && group >= 2;
+  const int cols = nnz_q * group <= 8 * batch ? 8 : nnz_q * group <= 16 * batch || !wide ? 16 : 32;
   const int64_t even_slots = batch * ((nnz_q * group + batch * cols - 1) / (batch * cols));
   return {cols,
           plan_decode_launch(even_slots * kv_heads, batch, nnz_pages, page_size, head_dim, cols, window_left, true)};
