@@ -275,7 +275,12 @@ timeout $((LIMIT - SECONDS)) python3 benchmarks/bench_prefix.py --out "$OUT/sat"
   2>&1 | grep --line-buffered "shared /\|    decode"
 rm -f "$OUT"/*/*.png
 echo "all $SECONDS s"
-# ---- .box/run52.sh (not yet run): short queries of 17-32 rows in one slot of 32 (2a00620, branch
+# Later the same day (08:36-09:00 UTC, one H100 80GB HBM3 each call, kind nvidia-h100-x1 unless said; 1,299 s of the
+# 1,800 s budget): calls 11-18 below, every one of which got a machine.
+# ---- .box/run52.sh: call 11, 08:37 UTC (241 s) -> the CUDA prefill and engine tests pass (191, 1 skipped;
+# test_prefill_engine_32cols.log); q_len 8 x 32 at 1.144x zipkv's decode (319.3 against 279.2 us), 8 x 64 at 1.423x
+# split 3 ways (789.9 against 555.1); q_len 2 and 4 1.05-1.14x (bench_prefill_speculative_32cols.json). Was:
+# short queries of 17-32 rows in one slot of 32 (2a00620, branch
 # exp/decode-32cols: four MMA N tiles in the decode kernel's kMulti variant at head_dim <= 128 and group >= 2, Q's
 # fragments from shared memory, K and V rebuilt a block at a time; compiled offline with no spills at d 64, 12 bytes
 # at d 128, 255 registers; the decode variants' SASS unchanged). Its CUDA prefill and engine tests in full, then the
@@ -297,7 +302,8 @@ echo "tested at $SECONDS s"
 timeout 300 python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters 20 2>&1 | grep -v "Warn\|warn" \
   | tail -14
 echo "all $SECONDS s"
-# ---- .box/run53.sh (not yet run): why planning over four warps (probe 512, 309.8 us) is slower than one planner
+# ---- .box/run53.sh: call 12, 08:41 UTC (92 s) -> ncu_planner_spread.md: instruction fetch, not issue slots. Was:
+# why planning over four warps (probe 512, 309.8 us) is slower than one planner
 # warp (292.4 us) when the rebuild runs, though it lowers the floor without it (165.9 against 210.5): Nsight Compute on
 # f6cc75a's probes 0 and 512, the same target and sections as call 5. To compare: issue slots busy, the compute warps'
 # stall reasons (no_instruction: instruction fetch; selected/not_selected: issue slots), their instructions a chunk.
@@ -318,4 +324,89 @@ for probe in 0 512; do
   grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible" $OUT/details_$probe.txt | head -6
   rm -f $OUT/prefill_$probe.ncu-rep
 done
+echo "all $SECONDS s"
+# ---- .box/run54.sh: call 13, 08:43 UTC (52 s), on 169771c (branch exp/short-splits: ZIPKV_PROBE_SPLITS forces the
+# short-query split count). .box/probe_splits.py (this folder's, with the case tuple
+# ((8, 64, (0, 1, 2, 3)), (8, 32, (0, 1, 2)), (4, 64, (0, 1, 2, 3)), (2, 64, (0, 1, 3))): q_len, batch, split counts,
+# 0 = the plan) -> probe_short_splits_forced.json: q_len 8 x 64 639.2 us unsplit against the plan's 3 splits 780.3
+# (zipkv's decode 552.4); q_len 4 x 64 607.3 against 625.8; q_len 2 x 64 (8 rows, 3 CTAs per SM) 3 splits best.
+#   git checkout 169771c && OUT=$OUT timeout 560 bash .box/run54.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 400 python3 .box/probe_splits.py $OUT/probe_splits.json 2>&1 | grep -v "Warn\|warn"
+echo "all $SECONDS s"
+# ---- .box/run55.sh: call 14, 08:46 UTC (71 s), on 1556b87 + 169771c (the lockstep wave model up to two waves), case
+# tuple ((8, 64, (0, 3)), (8, 48, (0, 1, 2)), (8, 96, (0, 1, 3)), (4, 64, (0, 3)), (2, 64, (0, 2))): the plan and
+# decode tests pass (18); the plan now leaves 8 x 64 unsplit (644.0 us) but splits 8 x 48 four ways (628.7, where 2
+# splits take 537.1) and 8 x 96 two ways (1,068.8, unsplit 966.3) -> probe_short_splits_two_waves.json.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 120 python3 -m pytest test/test_paged_prefill_cuda.py test/test_decode_cuda.py -q -p no:cacheprovider -k "plan or six_warp" -rfE \
+  2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -3
+timeout 300 python3 .box/probe_splits.py $OUT/probe_splits.json 2>&1 | grep -v "Warn\|warn"
+echo "all $SECONDS s"
+# ---- .box/run56.sh: call 15, 08:49 UTC (113 s), on a69965e + 169771c (the plan as landed on main in 2ceef8d), the
+# case tuple in this folder's probe_splits.py: the plan and decode tests pass (18); the plan's split count is the
+# fastest or within 0.5% of it at all six shapes (probe_short_splits_lockstep.json); then Nsight Compute on the
+# 32-row and 16-row slots (ncu_short_slots.md; target this folder's ncu_short.py).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 120 python3 -m pytest test/test_paged_prefill_cuda.py test/test_decode_cuda.py -q -p no:cacheprovider -k "plan or six_warp" -rfE \
+  2>&1 | tee "$OUT/tests.log" | grep -v "Warn\|warn" | tail -3
+timeout 300 python3 .box/probe_splits.py $OUT/probe_splits.json 2>&1 | grep -v "Warn\|warn"
+echo "probed at $SECONDS s"
+for qb in "8 32" "4 32"; do set -- $qb
+  timeout 150 ncu --clock-control none --set full --import-source no -k regex:paged_decode_kernel \
+    -s 2 -c 1 -o $OUT/short_$1 python3 .box/ncu_short.py $1 $2 > $OUT/ncu_short_$1.log 2>&1
+  ncu -i $OUT/short_$1.ncu-rep --page details > $OUT/details_short_$1.txt 2>&1
+  ncu -i $OUT/short_$1.ncu-rep --page source --csv --print-source sass > $OUT/sass_short_$1.csv 2>&1
+  grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible\|DRAM Throughput" $OUT/details_short_$1.txt | head -7
+  rm -f $OUT/short_$1.ncu-rep
+done
+echo "all $SECONDS s"
+# ---- call 16, 08:54 UTC (218 s), on main at 2ceef8d: run52.sh's script unchanged (as .box/run57.sh) -> the CUDA
+# prefill and engine tests pass (192, 1 skipped; test_prefill_engine_2ceef8d.log); bench_prefill_speculative.json:
+# q_len 2/4/8 at 1.099/1.128/1.128x zipkv's decode at batch 32, 1.050/1.091/1.142x at 64; 2.97-3.76x FlashInfer.
+# ---- .box/run58.sh: call 17, 08:57 UTC (87 s), on 2ceef8d: every CUDA test file -> 299 passed, 2 skipped
+# (test_cuda_files_2ceef8d.log).
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 420 python3 -m pytest test/test_cuda.py test/test_decode_cuda.py test/test_engine_cuda.py test/test_paged_prefill_cuda.py test/test_engine_tp_cuda.py -q -p no:cacheprovider -n 12 -rfE 2>&1 | tee "$OUT/tests_all.log" | grep -v "Warn\|warn" | tail -8
+echo "all $SECONDS s"
+# ---- .box/run59.sh: call 18, 08:59 UTC (96 s), kind nvidia-h200 (the warm H100 of call 17 kept it), on 2ceef8d: the
+# speculative cases again -> bench_prefill_speculative_repeat.json, within 1.5% of call 16 at every case.
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 300 python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters 20 2>&1 | grep -v "Warn\|warn" \
+  | tail -9
 echo "all $SECONDS s"
