@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "../checks.h"
@@ -45,8 +46,10 @@ ShortLaunch plan_short(int64_t nnz_q, int64_t batch, int64_t group, int64_t kv_h
   const bool wide = head_dim <= 128 && group >= 2;
   const int cols = nnz_q * group <= 8 * batch ? 8 : nnz_q * group <= 16 * batch || !wide ? 16 : 32;
   const int64_t even_slots = batch * ((nnz_q * group + batch * cols - 1) / (batch * cols));
-  return {cols,
-          plan_decode_launch(even_slots * kv_heads, batch, nnz_pages, page_size, head_dim, cols, window_left, true)};
+  DecodeLaunch plan =
+      plan_decode_launch(even_slots * kv_heads, batch, nnz_pages, page_size, head_dim, cols, window_left, true);
+  if (const char* s = std::getenv("ZIPKV_PROBE_SPLITS")) plan.splits = std::atoi(s);  // experiment only
+  return {cols, plan};
 }
 
 void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const at::Tensor& data,
