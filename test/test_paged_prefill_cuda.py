@@ -106,6 +106,25 @@ def test_prefill_plan_picks_the_kernel(gen):
     assert empty == {"kernel": None, "num_splits": 0, "warps_per_cta": 0, "ctas_per_sm": 0, "rows_per_cta": 0}
 
 
+def test_short_query_plan_splits_a_partial_wave_only():
+    """32-row slots (q_len 8, group 4, 8K of context per request) are equal CTAs that start together: up to two full
+    waves they run unsplit (splitting 8K x 64 three ways cost 22% on an H100, docs/performance.md), one CTA past a
+    wave they split (lone CTAs of a partial wave run at half an SM's rate)."""
+    H, D, P, q_len, ctx = 8, 128, 16, 8, 8192
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = torch.empty(1, 2, H, fmt.meta_words(P, D), dtype=torch.int32, device="cuda")
+
+    def plan(batch):
+        q = torch.empty(batch * q_len, 4 * H, D, dtype=torch.bfloat16, device="cuda")
+        qo = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+        return torch_zipkv.ops.prefill_plan(q, qo, meta, batch * ctx // P, P)
+
+    per_sm = plan(1)["ctas_per_sm"]
+    two_waves, past_one = 2 * sms * per_sm // H, sms * per_sm // H + 1
+    assert plan(two_waves)["rows_per_cta"] == 32 and plan(two_waves)["num_splits"] == 1
+    assert plan(past_one)["num_splits"] > 1
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [2, 3, 4, 8])
 @pytest.mark.parametrize("causal", [True, False])

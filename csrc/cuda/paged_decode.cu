@@ -87,14 +87,29 @@ double sm_time(int64_t k, double work, int warps, int64_t residency) {
          static_cast<double>(std::min(saturated, k * warps));
 }
 
+// Time of `splits` x ctas equal CTAs of `warps` warps run as lockstep waves: each full wave costs an SM its resident
+// CTAs' work, the partial last wave the busiest SM's share at its rate. It ignores how uneven finishing smooths many
+// waves, so it serves only up to two waves: short-query split counts (plan_splits) and the 6-warp layout
+// (plan_decode), where a partial wave is what differs.
+double wave_time(const Shape& x, int splits, int warps) {
+  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
+  const int64_t n = x.ctas * splits, full = n / (sms * residency), rest = n % (sms * residency);
+  const double work = x.tiles / splits + kOverheadTilesPerWarp * warps;
+  return static_cast<double>(full) * sm_time(residency, work, warps, residency) +
+         (rest > 0 ? sm_time((rest + sms - 1) / sms, work, warps, residency) : 0.0) + (splits > 1 ? kMergeTiles : 0.0);
+}
+
 // The split count for CTAs of 4 warps, from the fitted model: a CTA costs its tiles plus a start/finish per warp;
-// if all CTAs fit at once, the busiest SM's share at its rate, otherwise an even share plus the tail.
+// if all CTAs fit at once, the busiest SM's share at its rate, otherwise an even share plus the tail. Short-query
+// slots (multi) over at most two waves run as lockstep waves (wave_time): their equal CTAs start together, and the
+// fitted tail, which made 32-row slots at 8K x 64 split 3 ways, cost 22% there (docs/performance.md).
 int plan_splits(const Shape& x) {
   constexpr int warps = 4;
   const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
   auto cost = [&](int s) {
     const int64_t n = x.ctas * s;
     const double work = x.tiles / s + kOverheadTilesPerWarp * warps;
+    if (x.multi && n > sms * residency && n <= 2 * sms * residency) return wave_time(x, s, warps);
     const double t = n > sms * residency ? (static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes) * work
                                          : sm_time((n + sms - 1) / sms, work, warps, residency);
     return t + (s > 1 ? kMergeTiles : 0.0);
@@ -107,17 +122,6 @@ int plan_splits(const Shape& x) {
   int s = 2;
   while (cost(s) > (1.0 + kNearBest) * least) ++s;
   return s;
-}
-
-// Time of `splits` x ctas equal CTAs of `warps` warps run as lockstep waves: each full wave costs an SM its resident
-// CTAs' work, the partial last wave the busiest SM's share at its rate. It ignores how uneven finishing smooths many
-// waves, so it only compares layouts at split counts already chosen, where a partial wave is what differs.
-double wave_time(const Shape& x, int splits, int warps) {
-  const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
-  const int64_t n = x.ctas * splits, full = n / (sms * residency), rest = n % (sms * residency);
-  const double work = x.tiles / splits + kOverheadTilesPerWarp * warps;
-  return static_cast<double>(full) * sm_time(residency, work, warps, residency) +
-         (rest > 0 ? sm_time((rest + sms - 1) / sms, work, warps, residency) : 0.0) + (splits > 1 ? kMergeTiles : 0.0);
 }
 
 // CTAs of 4 warps at plan_splits' count; where a 6-warp variant exists (has_six_warps), one unsplit CTA of 6 warps
