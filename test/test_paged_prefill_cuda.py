@@ -107,9 +107,9 @@ def test_prefill_plan_picks_the_kernel(gen):
 
 
 def test_short_query_plan_splits_a_partial_wave_only():
-    """32-row slots (q_len 8, group 4, 8K of context per request) are equal CTAs that start together: up to two full
-    waves they run unsplit (splitting 8K x 64 three ways cost 22% on an H100, docs/performance.md), one CTA past a
-    wave they split (lone CTAs of a partial wave run at half an SM's rate)."""
+    """32-row slots (q_len 8, group 4, 8K of context per request) are equal CTAs, planned as lockstep waves: two full
+    waves run unsplit (splitting 8K x 64 three ways cost 22% on an H100, docs/performance.md); one CTA past a full
+    wave, whose last wave would hold lone CTAs, they split."""
     H, D, P, q_len, ctx = 8, 128, 16, 8, 8192
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = torch.empty(1, 2, H, fmt.meta_words(P, D), dtype=torch.int32, device="cuda")

@@ -29,6 +29,9 @@ constexpr int kMinTilesPerWarp = 2;  // below this per warp a split's pipeline i
 // the split counts within 3% of the best the fewest win (the model is no finer than that). A 6-warp layout must
 // save kSixGain (plan_decode).
 constexpr double kOverheadTilesPerWarp = 2.0, kMergeTiles = 12.0, kSplitGain = 0.05, kNearBest = 0.03, kSixGain = 0.02;
+// Short-query slots of 32 rows (four head tiles, K and V rebuilt a block at a time) start and finish at a far higher
+// cost, fitted on 8K x 48, 64 and 96 at 1-4 splits (docs/performance.md, "Prefill attention"): ~16 tiles per warp.
+constexpr double kWideOverheadTilesPerWarp = 16.0;
 // When CTAs outnumber the slots, SMs take new CTAs as old ones finish and end unevenly: the last CTAs started run
 // with few others on their SM, at a lower rate. Fitted: ~1.5 CTA-times of tail per SM (docs/decode-kernel.md, v7).
 constexpr double kTailCtaTimes = 1.5;
@@ -79,6 +82,11 @@ struct Plan {
   int splits = 1, warps = 4;
 };
 
+// A CTA's start and finish per warp, in tiles.
+double overhead_tiles(const Shape& x) {
+  return x.multi && x.group > 16 ? kWideOverheadTilesPerWarp : kOverheadTilesPerWarp;
+}
+
 // Tiles of SM time that k CTAs of `warps` warps and `work` tiles each take on one SM, `residency` of them fitting at
 // once: an SM streams at its full rate from kSaturatedWarps resident warps on (or from all it can hold).
 double sm_time(int64_t k, double work, int warps, int64_t residency) {
@@ -89,27 +97,28 @@ double sm_time(int64_t k, double work, int warps, int64_t residency) {
 
 // Time of `splits` x ctas equal CTAs of `warps` warps run as lockstep waves: each full wave costs an SM its resident
 // CTAs' work, the partial last wave the busiest SM's share at its rate. It ignores how uneven finishing smooths many
-// waves, so it serves only up to two waves: short-query split counts (plan_splits) and the 6-warp layout
-// (plan_decode), where a partial wave is what differs.
+// waves: decode uses it only to compare layouts at split counts already chosen, where a partial wave is what
+// differs; short-query slots, equal CTAs, for their split count too.
 double wave_time(const Shape& x, int splits, int warps) {
   const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
   const int64_t n = x.ctas * splits, full = n / (sms * residency), rest = n % (sms * residency);
-  const double work = x.tiles / splits + kOverheadTilesPerWarp * warps;
+  const double work = x.tiles / splits + overhead_tiles(x) * warps;
   return static_cast<double>(full) * sm_time(residency, work, warps, residency) +
          (rest > 0 ? sm_time((rest + sms - 1) / sms, work, warps, residency) : 0.0) + (splits > 1 ? kMergeTiles : 0.0);
 }
 
 // The split count for CTAs of 4 warps, from the fitted model: a CTA costs its tiles plus a start/finish per warp;
 // if all CTAs fit at once, the busiest SM's share at its rate, otherwise an even share plus the tail. Short-query
-// slots (multi) over at most two waves run as lockstep waves (wave_time): their equal CTAs start together, and the
-// fitted tail, which made 32-row slots at 8K x 64 split 3 ways, cost 22% there (docs/performance.md).
+// slots (multi) run as lockstep waves (wave_time): an even batch's slots are equal CTAs, and their measured times
+// at 1-4 splits follow the waves (the tail, fitted on decode's ragged finishes, made 32-row slots at 8K x 64 split 3
+// ways, 22% slower than 1; docs/performance.md).
 int plan_splits(const Shape& x) {
   constexpr int warps = 4;
   const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
   auto cost = [&](int s) {
     const int64_t n = x.ctas * s;
+    if (x.multi) return wave_time(x, s, warps);
     const double work = x.tiles / s + kOverheadTilesPerWarp * warps;
-    if (x.multi && n > sms * residency && n <= 2 * sms * residency) return wave_time(x, s, warps);
     const double t = n > sms * residency ? (static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes) * work
                                          : sm_time((n + sms - 1) / sms, work, warps, residency);
     return t + (s > 1 ? kMergeTiles : 0.0);
