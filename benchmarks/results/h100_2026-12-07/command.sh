@@ -275,8 +275,8 @@ timeout $((LIMIT - SECONDS)) python3 benchmarks/bench_prefix.py --out "$OUT/sat"
   2>&1 | grep --line-buffered "shared /\|    decode"
 rm -f "$OUT"/*/*.png
 echo "all $SECONDS s"
-# Later the same day (08:36-09:00 UTC, one H100 80GB HBM3 each call, kind nvidia-h100-x1 unless said; 1,299 s of the
-# 1,800 s budget): calls 11-18 below, every one of which got a machine.
+# Later the same day (08:36-09:41 UTC, one H100 80GB HBM3 each call, kind nvidia-h100-x1 unless said; 1,539 s of the
+# 1,800 s budget): calls 11-19 below, every one of which got a machine.
 # ---- .box/run52.sh: call 11, 08:37 UTC (241 s) -> the CUDA prefill and engine tests pass (191, 1 skipped;
 # test_prefill_engine_32cols.log); q_len 8 x 32 at 1.144x zipkv's decode (319.3 against 279.2 us), 8 x 64 at 1.423x
 # split 3 ways (789.9 against 555.1); q_len 2 and 4 1.05-1.14x (bench_prefill_speculative_32cols.json). Was:
@@ -409,4 +409,27 @@ rm -f "$OUT/gpu.txt" "$OUT/build.log"
 echo "built at $SECONDS s"
 timeout 300 python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters 20 2>&1 | grep -v "Warn\|warn" \
   | tail -9
+echo "all $SECONDS s"
+# ---- .box/run60.sh: call 19, 09:38 UTC (211 s), on 308498a (branch exp/prefill-cluster: d 128 CTAs in clusters of 2
+# sharing each chunk's rebuild through distributed shared memory), with .box/main_csrc.tar = `git archive main csrc`
+# (main's kernels, 2ceef8d) for the same-machine baseline -> test_paged_prefill_cuda.py 185 passed
+# (test_prefill_cluster.log); 512 x 8K x 1: the cluster 367.7 us, main 291.9, FlashInfer 130.2-130.4; the cluster's
+# batch 8 did not finish inside the probe's 70 s (probe_prefill_cluster.json). Then 261 s of the budget were left.
+#   git checkout 308498a && OUT=$OUT timeout 470 bash .box/run60.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 130 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests_cluster.log" | grep -v "Warn\|warn" | tail -6
+echo "tested at $SECONDS s"
+timeout 70 python3 .box/probe3.py $OUT/probe_cluster.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "timed at $SECONDS s"
+tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+echo "main built at $SECONDS s"
+timeout 70 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
