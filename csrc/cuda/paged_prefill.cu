@@ -94,12 +94,10 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   p.batch = static_cast<int>(batch);
   p.tile_tokens = prefill::kRows / p.group;
   p.causal = causal ? 1 : 0;
-  // Request b takes ceil(q_len_b / T) tiles: at most nnz_q / T + batch in all, whatever the q lengths.
-  const int64_t ctas = nnz_q / p.tile_tokens + batch;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (D) {
 #define ZIPKV_HEAD_DIM_CASE_(HD) \
-  case HD: prefill::launch<HD>(p, ctas, stream); return;
+  case HD: prefill::launch<HD>(p, stream); return;
     ZIPKV_FOR_EACH_HEAD_DIM(ZIPKV_HEAD_DIM_CASE_)
 #undef ZIPKV_HEAD_DIM_CASE_
     default: TORCH_CHECK_VALUE(false, "zipkv.paged_prefill: head_dim must be one of ", head_dims_text(), ", got ", D);

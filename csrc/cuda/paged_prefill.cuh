@@ -97,6 +97,10 @@ struct Cfg {
   // make the room); else 1 (two tiles). With wgmma a fourth K/V tile pair holds chunk i - 1 for warpgroup 1, which
   // runs half a step behind warpgroup 0 (the kernel's main loop).
   static constexpr int kAhead = kWgmma ? 2 : 1;
+  // CTAs of a cluster that share every chunk's rebuild (wgmma): the two CTAs of adjacent query tiles of one request
+  // and kv head read the same chunks, so each rebuilds one of a tile's two 64-dim column blocks and stores it into
+  // both CTAs' tiles (distributed shared memory), one cluster barrier a chunk.
+  static constexpr int kCluster = kWgmma ? 2 : 1;
   static constexpr int kTileBufs = kWgmma ? kAhead + 2 : kAhead + 1;  // K/V tile pairs
   static constexpr int kStages = kWgmma || D == 256 ? 2 : 3;          // staging buffers: chunks copied ahead
   static constexpr int kStride = D + 8;  // bf16 per shared row: 16 bytes of pad, conflict-free ldmatrix
@@ -126,6 +130,38 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Clusters (sm_90): this CTA's rank, the address of the same shared-memory byte in CTA `rank` of the cluster, a
+// 16-byte store there, a barrier of every thread of the cluster (release/acquire: it also orders shared memory as
+// __syncthreads does), and the proxy fence that makes generic stores to the cluster's shared memory visible to wgmma.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st_cluster16(uint32_t addr, uint4 v) {
+  asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_cluster() {
+  asm volatile("fence.proxy.async.shared::cluster;\n" ::: "memory");
+}
+// The barrier that ends a step: the cluster's where chunks are rebuilt by a cluster, else the CTA's.
+template <int D>
+__device__ __forceinline__ void step_sync() {
+  if constexpr (Cfg<D>::kCluster > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+}
 // Waits until at most n of this thread's most recent copy groups are still in flight.
 template <int n>
 __device__ __forceinline__ void cp_async_wait() {
@@ -304,14 +340,21 @@ __device__ __forceinline__ int span_offset(int off0) {
     return off0 + kBlockDims * kSpan;
   }
 }
+//
+// In a cluster (kCluster > 1) the warp rebuilds only its CTA's share, spans rank * kOwn.. (kOwn = kPerWarp /
+// kCluster: one 64-dim column block of the swizzled tile, whose 16 rows of the warp's tile are 2 KB in one piece),
+// and then copies those 2 KB into the same place of the other CTA's tile. Every CTA plans all of a chunk's blocks, so
+// each sees a refused block of the other's share too.
 template <int D>
-__device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_t kv_len, const uint8_t* stage,
-                                                    const uint8_t* descs, uint16_t* ks, uint16_t* vs,
-                                                    const WarpOffsets<D>& l, int lane) {
+__device__ __forceinline__ bool rebuild_warp_blocks(int warp, int rank, int64_t c0, int64_t kv_len,
+                                                    const uint8_t* stage, const uint8_t* descs, uint16_t* ks,
+                                                    uint16_t* vs, const WarpOffsets<D>& l, int lane) {
   using C = Cfg<D>;
-  constexpr int kPer = C::kPerWarp;
+  constexpr int kPer = C::kPerWarp, kOwn = kPer / C::kCluster;
   static_assert(C::kSpans % kPer == 0 && kPer <= 4 && (!C::kWgmma || kPer == C::kSpans),
                 "a warp's blocks: spans of one tile, from span 0 under the swizzle");
+  static_assert(C::kCluster == 1 || (C::kWgmma && kOwn == 2), "a cluster CTA's share: one 64-dim column block");
+  constexpr int kRankOffset = C::kCluster > 1 ? C::kKV * 64 : 0;  // bf16 from one column block to the next
   const int j0 = warp * kPer;
   const BlockOf<D> blk(j0);
   uint32_t dw;  // the warp's descriptor bytes
@@ -320,12 +363,14 @@ __device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_
   } else {
     dw = *reinterpret_cast<const uint16_t*>(descs + j0);
   }
-  const uint8_t* base = stage + j0 * kRawBlockBytes;
+  const uint8_t* base = stage + (j0 + rank * kOwn) * kRawBlockBytes;
   uint16_t* const dst = blk.is_v ? vs : ks;
   bool refused = false;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const uint8_t desc = static_cast<uint8_t>(dw >> (8 * i));
+  for (int i = 0; i < kPer; ++i) refused |= static_cast<uint8_t>(dw >> (8 * i)) == kDescBad;
+#pragma unroll
+  for (int i = 0; i < kOwn; ++i) {
+    const uint8_t desc = static_cast<uint8_t>(dw >> (8 * (rank * kOwn + i)));
     const uint8_t* src = base + i * kRawBlockBytes;
     uint32_t w[8];
     if (desc == kDescSkip || desc == kDescBad) {
@@ -339,7 +384,6 @@ __device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_
       decode_lane(*reinterpret_cast<const uint4*>(src + 16 * lane),
                   *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane), desc, w);
     }
-    refused |= desc == kDescBad;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       int off;
@@ -349,7 +393,7 @@ __device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_
         case 2: off = span_offset<D, 2>(l.off0[c]); break;
         default: off = span_offset<D, 3>(l.off0[c]); break;
       }
-      stmatrix_x4(smem_u32(dst + off), blk.is_v, w + 4 * c);
+      stmatrix_x4(smem_u32(dst + rank * kRankOffset + off), blk.is_v, w + 4 * c);
     }
   }
   // The V tail: where the warp's tile holds kv_len's last tokens (the last chunk only), its rows past kv_len are
@@ -359,15 +403,29 @@ __device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_
     __syncwarp();
     const int valid = static_cast<int>(kv_len - tok);
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
+    for (int i = 0; i < kOwn; ++i) {
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int piece = lane + 32 * k, row = piece / 4;
         if (row < valid) continue;
-        *reinterpret_cast<uint4*>(
-            dst + tile_offset<D>(blk.tile * kTileTokens + row, (blk.span + i) * kBlockDims + (piece % 4) * 8)) =
+        *reinterpret_cast<uint4*>(dst + tile_offset<D>(blk.tile * kTileTokens + row,
+                                                       (blk.span + rank * kOwn + i) * kBlockDims + (piece % 4) * 8)) =
             make_uint4(0, 0, 0, 0);
       }
+    }
+  }
+  if constexpr (C::kCluster > 1) {  // the same 16 rows x 128 bytes into the other CTA's tile
+    __syncwarp();
+    const uint32_t mine = smem_u32(dst + rank * kRankOffset + blk.tile * kTileTokens * 64);
+    const uint32_t theirs = cluster_map(mine, static_cast<uint32_t>(rank ^ 1));
+#pragma unroll
+    for (int k = 0; k < kTileTokens * 128 / 16 / 32; ++k) {
+      const uint32_t at = 16 * (lane + 32 * k);
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(mine + at));
+      st_cluster16(theirs + at, v);
     }
   }
   return refused;
@@ -566,16 +624,19 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int T = p.tile_tokens, group = p.group;
   const int* qo = p.qo_indptr;
 
-  // Which (request, tile) this CTA is: request b owns ceil(q_len_b / T) consecutive CTAs (a prefix sum over the
-  // batch, 32 requests per step of warp 0). Within a request the last tiles come first: under a causal mask they see
+  // Which (request, tile) this CTA is: request b owns ceil(q_len_b / (kCluster T)) consecutive clusters (a prefix sum
+  // over the batch, 32 requests per step of warp 0), CTA r of a cluster the unit's tile r (none past q_len: it still
+  // rebuilds its share for the other CTA). Within a request the last tiles come first: under a causal mask they see
   // the most keys, and the CTAs that start first should take them.
+  constexpr int kCl = C::kCluster;
+  const int rank = kCl > 1 ? static_cast<int>(cluster_rank()) : 0;
   if (warp == 0) {
-    const RequestUnit u = find_request_unit(qo, p.batch, p.nnz_q, 1, T, blockIdx.x, lane);
+    const RequestUnit u = find_request_unit(qo, p.batch, p.nnz_q, 1, kCl * T, blockIdx.x / kCl, lane);
     if (lane == 0) s_request = u.request, s_tile = static_cast<int>(u.count - 1 - u.index), s_bad = 0;
   }
   __syncthreads();
   const int b = s_request;
-  if (b < 0) return;  // past the last tile
+  if (b < 0) return;  // past the last unit (the whole cluster: the same unit)
 
   // The request's page-table entries; an inconsistent one poisons its rows.
   const int q_begin = __ldg(qo + b), q_end = __ldg(qo + b + 1);
@@ -585,8 +646,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const bool bad_request = __ldg(qo) != 0 || __ldg(qo + p.batch) != p.nnz_q || q_begin < 0 || q_end > p.nnz_q ||
                            __ldg(p.kv_indptr) != 0 || kp0 < 0 || kp1 < kp0 || kp1 > p.nnz_kv ||
                            (kp1 > kp0 && (last < 1 || last > p.page_size)) || (p.causal && q_len > kv_len);
-  const int t0 = s_tile * T;                                     // the tile's first query token, request-relative
-  const int nt = static_cast<int>(min(int64_t{T}, q_len - t0));  // its query tokens
+  const int u0 = s_tile * kCl * T;                                                // the unit's first query token
+  const int t0 = u0 + rank * T;                                                   // the tile's, request-relative
+  const int nt = static_cast<int>(max(int64_t{0}, min(int64_t{T}, q_len - t0)));  // its query tokens
+  const int nu = static_cast<int>(min(int64_t{kCl} * T, q_len - u0));             // the unit's
   const int rows = nt * group;
 
   // Q tile into shared memory (padding rows zero), 16 bytes per thread and step.
@@ -602,10 +665,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   }
   if constexpr (C::kWgmma) fence_proxy_async_smem();  // Q is read by wgmma after the next barrier
 
-  // The keys the tile's rows see: [lo, hi). Pages wholly outside are never read.
-  const int64_t pos0 = kv_len - q_len + t0;  // position of the tile's first query token
-  const int64_t hi = bad_request ? 0 : p.causal ? min(kv_len, pos0 + nt) : kv_len;
-  const int64_t lo = p.window_left >= 0 ? max(int64_t{0}, pos0 - p.window_left) : 0;
+  // The keys the unit's rows see: [lo, hi) (every CTA of a cluster walks the same chunks; a CTA's rows mask the keys
+  // outside their own). Pages wholly outside are never read.
+  const int64_t pos0 = kv_len - q_len + t0;   // position of the tile's first query token
+  const int64_t upos0 = kv_len - q_len + u0;  // the unit's
+  const int64_t hi = bad_request ? 0 : p.causal ? min(kv_len, upos0 + nu) : kv_len;
+  const int64_t lo = p.window_left >= 0 ? max(int64_t{0}, upos0 - p.window_left) : 0;
   const int64_t c_first = lo / kTileTokens * kTileTokens;
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
@@ -616,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
-      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      for (int i = 0; i < chunks + 3; ++i) step_sync<D>();
       return;
     }
     // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
@@ -636,16 +701,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     }
     if (kLead < chunks) load_meta_words<D>(p, head, chunk_key(kLead), hi, lane, page_of(kLead), words);
     int32_t page_next = page_of(kLead + 1);
-    __syncthreads();  // the plans of chunks 0..kLead - 1 published
-    __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+    step_sync<D>();  // the plans of chunks 0..kLead - 1 published
+    step_sync<D>();  // chunks 0..kAhead - 1 rebuilt
     for (int ci = 0; ci < chunks; ++ci) {
       const int next = ci + kLead;
       if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
       if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
       page_next = page_of(next + 2);
-      __syncthreads();
+      step_sync<D>();
     }
-    __syncthreads();  // the compute warps' refusal flags
+    step_sync<D>();  // the compute warps' refusal flags
     return;
   }
 
@@ -678,8 +743,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
 #pragma unroll
-      for (int i = 0; i < kPerWarp; ++i) {
-        const int j = warp * kPerWarp + i;
+      for (int i = 0; i < kPerWarp / kCl; ++i) {
+        const int j = warp * kPerWarp + rank * (kPerWarp / kCl) + i;
         issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
       }
     }
@@ -688,9 +753,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
-    refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
+    refused |= rebuild_warp_blocks<D>(warp, rank, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
                                       offsets, lane);
-    if constexpr (C::kWgmma) fence_proxy_async_smem();  // the tiles are read by wgmma after the next barrier
+    if constexpr (C::kWgmma) fence_proxy_async_smem();   // the tiles are read by wgmma after the next barrier
+    if constexpr (kCl > 1) fence_proxy_async_cluster();  // and the other CTA's, written from here
   };
 
   // Which rows of the warp chunk ci reaches: all keys masked for every row (causal: past the last row; window:
@@ -711,7 +777,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   // Copies kS chunks ahead of their rebuild, rebuilds kAhead chunks ahead of their multiply. A chunk's staging
   // buffer is refilled right after its rebuild: in step ci with chunk ci + kAhead - 1 + kS.
-  __syncthreads();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
+  step_sync<D>();  // Q staged, the plans of chunks 0..kS + kAhead - 1 published
   for (int ci = 0; ci < kS; ++ci) issue_chunk(ci);
 #pragma unroll
   for (int r = 0; r < C::kAhead; ++r) {
@@ -724,7 +790,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
     fence_proxy_async_smem();
   }
-  __syncthreads();  // chunks 0..kAhead - 1 rebuilt
+  step_sync<D>();  // chunks 0..kAhead - 1 rebuilt
   if constexpr (C::kWgmma) {
     // The two warpgroups run half a step apart, so that one's softmax runs under the other's MMAs and rebuild (FA3's
     // ping-pong, here within the one barrier a chunk). Warpgroup 0 in step ci: S of chunk ci + 1 started, chunk ci's
@@ -758,7 +824,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         const int kv_rem = relative(c0, rel_pos);
         softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale bytes, never used
-        __syncthreads();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
+        step_sync<D>();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
       }
       start_pv<D>(kv_tile(chunks + C::kTileBufs - 1, 1), lane, o, pa);  // the last chunk
       wgmma_wait_all();
@@ -785,7 +851,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
           for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
         }
-        __syncthreads();
+        step_sync<D>();
       }
     }
   } else {
@@ -802,11 +868,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         uint32_t pa[C::kKV / 16][4];
         attend_chunk<D, kCap>(p, s, kv_tile(ci, 1), lane, chunk_masked(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
       }
-      __syncthreads();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
+      step_sync<D>();  // chunk ci + 1 rebuilt, chunk ci's tiles free, the plans of chunk ci + kS + 1 published
     }
   }
   if (refused) atomicOr(&s_bad, 1);
-  __syncthreads();
+  step_sync<D>();
   const bool poisoned = bad_request || s_bad != 0;
   if (!warp_active) return;
 
@@ -834,6 +900,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 }
 
 template <int D>
-void launch(const Params& p, int64_t ctas, cudaStream_t stream);
+void launch(const Params& p, cudaStream_t stream);
 
 }  // namespace zipkv::cuda::prefill
