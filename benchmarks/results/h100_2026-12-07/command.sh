@@ -414,7 +414,8 @@ echo "all $SECONDS s"
 # sharing each chunk's rebuild through distributed shared memory), with .box/main_csrc.tar = `git archive main csrc`
 # (main's kernels, 2ceef8d) for the same-machine baseline -> test_paged_prefill_cuda.py 185 passed
 # (test_prefill_cluster.log); 512 x 8K x 1: the cluster 367.7 us, main 291.9, FlashInfer 130.2-130.4; the cluster's
-# batch 8 did not finish inside the probe's 70 s (probe_prefill_cluster.json). Then 261 s of the budget were left.
+# batch 8 did not finish inside the probe's 70 s (probe_prefill_cluster.json; a fresh machine's first probe run takes
+# ~80 s). Then 261 s of the budget were left.
 #   git checkout 308498a && OUT=$OUT timeout 470 bash .box/run60.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
@@ -432,4 +433,22 @@ echo "timed at $SECONDS s"
 tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
 echo "main built at $SECONDS s"
 timeout 70 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "all $SECONDS s"
+# ---- .box/run61.sh (not yet run: 230 s of the budget were left, too little to start a machine): the cluster's step
+# barrier in two halves (2d1061e, branch exp/prefill-cluster): its CUDA prefill tests, then 512 x 8K at batch 1 and 8
+# against FlashInfer in the same run (compare the ratio with call 19's: main 0.442-0.447x, the cluster with a whole
+# barrier a step 0.354x). About 3 min on an H100:
+#   git checkout 2d1061e && OUT=$OUT LIMIT=300 timeout 300 bash .box/run61.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 50 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/tests_cluster_split.log" | grep -v "Warn\|warn" | tail -4
+echo "tested at $SECONDS s"
+timeout $((LIMIT - SECONDS)) python3 .box/probe3.py $OUT/probe_cluster_split.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
