@@ -147,8 +147,13 @@ __device__ __forceinline__ void st_cluster16(uint32_t addr, uint4 v) {
   asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  cluster_arrive();
+  cluster_wait();
 }
 __device__ __forceinline__ void fence_proxy_async_cluster() {
   asm volatile("fence.proxy.async.shared::cluster;\n" ::: "memory");
@@ -807,10 +812,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     wgmma_wait_all();
     fence_registers(s_cur);
     const auto masked_at = [&](int64_t c0) { return chunk_none(c0) || !unit_active || chunk_masked(c0); };
+    // The step's cluster barrier in two halves (the planner's warpgroup arrives and waits at once): each warpgroup
+    // arrives as soon as its share of chunk ci + 2 is rebuilt and its reads of chunk ci - 1's tiles are done, and
+    // waits at the top of the next step, before its first use of what the step published (the plans, chunk ci + 2's
+    // tiles, chunk ci - 1's room), so that the barrier's round trip between the two SMs runs under the softmax.
+    static_assert(kCl > 1, "the wgmma path's steps end in the cluster's barrier");
     if (__shfl_sync(0xFFFFFFFFu, warp / 4, 0) == 1) {
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       for (int ci = 0; ci < chunks; ++ci) {
+        if (ci > 0) cluster_wait();                                   // step ci - 1's barrier
         issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
         start_pv<D>(kv_tile(ci + C::kTileBufs - 1, 1), lane, o, pa);  // chunk ci - 1
         cp_async_wait<kS - 1>();                                      // chunk ci + 2, copied a step ago
@@ -819,13 +830,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         fence_registers(o);
         fence_registers(s_cur);
         fence_registers(pa);
+        cluster_arrive();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles read
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
         softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale bytes, never used
-        step_sync<D>();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
       }
+      if (chunks > 0) cluster_wait();
       start_pv<D>(kv_tile(chunks + C::kTileBufs - 1, 1), lane, o, pa);  // the last chunk
       wgmma_wait_all();
       fence_registers(o);
@@ -834,6 +846,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     } else {
       float s_next[C::kKV / 8][4];
       for (int ci = 0; ci < chunks; ++ci) {
+        if (ci > 0) cluster_wait();
         issue_chunk(ci + C::kAhead - 1 + kS);
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
         const int64_t c0 = chunk_key(ci);
@@ -842,6 +855,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
         cp_async_wait<kS - 1>();
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
+        cluster_arrive();  // chunk ci + 2 rebuilt (chunk ci - 1's tiles were read in step ci - 1)
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
         fence_registers(o);
         fence_registers(s_next);
@@ -851,8 +865,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
           for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
         }
-        step_sync<D>();
       }
+      if (chunks > 0) cluster_wait();
     }
   } else {
     for (int ci = 0; ci < chunks; ++ci) {
