@@ -275,7 +275,7 @@ timeout $((LIMIT - SECONDS)) python3 benchmarks/bench_prefix.py --out "$OUT/sat"
   2>&1 | grep --line-buffered "shared /\|    decode"
 rm -f "$OUT"/*/*.png
 echo "all $SECONDS s"
-# Later the same day (08:36-09:41 UTC, one H100 80GB HBM3 each call, kind nvidia-h100-x1 unless said; 1,539 s of the
+# Later the same day (08:36-09:10 UTC, one H100 80GB HBM3 each call, kind nvidia-h100-x1 unless said; 1,539 s of the
 # 1,800 s budget): calls 11-19 below, every one of which got a machine.
 # ---- .box/run52.sh: call 11, 08:37 UTC (241 s) -> the CUDA prefill and engine tests pass (191, 1 skipped;
 # test_prefill_engine_32cols.log); q_len 8 x 32 at 1.144x zipkv's decode (319.3 against 279.2 us), 8 x 64 at 1.423x
@@ -382,10 +382,10 @@ for qb in "8 32" "4 32"; do set -- $qb
   rm -f $OUT/short_$1.ncu-rep
 done
 echo "all $SECONDS s"
-# ---- call 16, 08:54 UTC (218 s), on main at 2ceef8d: run52.sh's script unchanged (as .box/run57.sh) -> the CUDA
+# ---- call 16, 08:52 UTC (218 s), on main at 2ceef8d: run52.sh's script unchanged (as .box/run57.sh) -> the CUDA
 # prefill and engine tests pass (192, 1 skipped; test_prefill_engine_2ceef8d.log); bench_prefill_speculative.json:
 # q_len 2/4/8 at 1.099/1.128/1.128x zipkv's decode at batch 32, 1.050/1.091/1.142x at 64; 2.97-3.76x FlashInfer.
-# ---- .box/run58.sh: call 17, 08:57 UTC (87 s), on 2ceef8d: every CUDA test file -> 299 passed, 2 skipped
+# ---- .box/run58.sh: call 17, 08:56 UTC (87 s), on 2ceef8d: every CUDA test file -> 299 passed, 2 skipped
 # (test_cuda_files_2ceef8d.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
@@ -397,7 +397,7 @@ rm -f "$OUT/gpu.txt" "$OUT/build.log"
 echo "built at $SECONDS s"
 timeout 420 python3 -m pytest test/test_cuda.py test/test_decode_cuda.py test/test_engine_cuda.py test/test_paged_prefill_cuda.py test/test_engine_tp_cuda.py -q -p no:cacheprovider -n 12 -rfE 2>&1 | tee "$OUT/tests_all.log" | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
-# ---- .box/run59.sh: call 18, 08:59 UTC (96 s), kind nvidia-h200 (the warm H100 of call 17 kept it), on 2ceef8d: the
+# ---- .box/run59.sh: call 18, 08:58 UTC (96 s), kind nvidia-h200 (the warm H100 of call 17 kept it), on 2ceef8d: the
 # speculative cases again -> bench_prefill_speculative_repeat.json, within 1.5% of call 16 at every case.
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
@@ -410,7 +410,7 @@ echo "built at $SECONDS s"
 timeout 300 python3 benchmarks/bench_prefill.py --out "$OUT" --cases speculative --iters 20 2>&1 | grep -v "Warn\|warn" \
   | tail -9
 echo "all $SECONDS s"
-# ---- .box/run60.sh: call 19, 09:38 UTC (211 s), on 308498a (branch exp/prefill-cluster: d 128 CTAs in clusters of 2
+# ---- .box/run60.sh: call 19, 09:06 UTC (211 s), on 308498a (branch exp/prefill-cluster: d 128 CTAs in clusters of 2
 # sharing each chunk's rebuild through distributed shared memory), with .box/main_csrc.tar = `git archive main csrc`
 # (main's kernels, 2ceef8d) for the same-machine baseline -> test_paged_prefill_cuda.py 185 passed
 # (test_prefill_cluster.log); 512 x 8K x 1: the cluster 367.7 us, main 291.9, FlashInfer 130.2-130.4; the cluster's
