@@ -434,11 +434,15 @@ tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$O
 echo "main built at $SECONDS s"
 timeout 70 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
-# ---- .box/run61.sh (not yet run: 230 s of the budget were left, too little to start a machine): the cluster's step
-# barrier in two halves (2d1061e, branch exp/prefill-cluster): its CUDA prefill tests, then 512 x 8K at batch 1 and 8
-# against FlashInfer in the same run (compare the ratio with call 19's: main 0.442-0.447x, the cluster with a whole
-# barrier a step 0.354x). About 3 min on an H100:
-#   git checkout 2d1061e && OUT=$OUT LIMIT=300 timeout 300 bash .box/run61.sh
+# ---- .box/run62.sh (not yet run: 230 s of the budget were left, too little to start a machine): the cluster's step
+# barrier in two halves (2d1061e, branch exp/prefill-cluster), its CUDA prefill tests and 512 x 8K at batch 1 and 8
+# against FlashInfer in the same run; then the same kernel's probes (83f5eb1, ZIPKV_PREFILL_PROBE read at launch: 1
+# no copies into the other CTA, 2 no sharing with the cluster barriers kept, 4 the CTA's own barrier in the loop;
+# 4-8 bytes of spills at d 128 that 2d1061e does not have), which split the cluster's cost into its barrier and its
+# remote stores; then main's kernels (2ceef8d) on the same machine. Call 19 had main at 0.442-0.447x FlashInfer and
+# the cluster with a whole barrier a step at 0.354x. About 8 min on an H100; first, here:
+#   git archive 83f5eb1 csrc > .box/cluster_probe_csrc.tar; git archive 2ceef8d csrc > .box/main_csrc.tar
+#   git checkout 2d1061e && OUT=$OUT timeout 580 bash .box/run62.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
@@ -447,8 +451,16 @@ rm -rf build torch_zipkv/_C*.so
 bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
 rm -f "$OUT/gpu.txt" "$OUT/build.log"
 echo "built at $SECONDS s"
-timeout 50 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 -rfE 2>&1 \
   | tee "$OUT/tests_cluster_split.log" | grep -v "Warn\|warn" | tail -4
 echo "tested at $SECONDS s"
-timeout $((LIMIT - SECONDS)) python3 .box/probe3.py $OUT/probe_cluster_split.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+timeout 150 python3 .box/probe3.py $OUT/probe_cluster_split.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "timed at $SECONDS s"
+tar xf .box/cluster_probe_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+echo "probes built at $SECONDS s"
+timeout 150 python3 .box/probe3.py $OUT/probe_cluster_parts.json 0 1 2 4 2>&1 | grep -v "Warn\|warn" | tail -8
+echo "probed at $SECONDS s"
+tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+echo "main built at $SECONDS s"
+timeout 80 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
