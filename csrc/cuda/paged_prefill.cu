@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "../checks.h"
@@ -94,6 +95,7 @@ void paged_prefill_cuda(const at::Tensor& q, const at::Tensor& qo_indptr, const 
   p.batch = static_cast<int>(batch);
   p.tile_tokens = prefill::kRows / p.group;
   p.causal = causal ? 1 : 0;
+  if (const char* probe = std::getenv("ZIPKV_PREFILL_PROBE")) p.probe = std::atoi(probe);  // experiment only
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (D) {
 #define ZIPKV_HEAD_DIM_CASE_(HD) \

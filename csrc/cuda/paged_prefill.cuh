@@ -78,6 +78,10 @@ struct Params {
   int causal, window_left;
   float scale_log2;           // sm_scale * log2(e)
   float cap_log2, scale_cap;  // soft cap (cap_log2 > 0): cap * log2(e), sm_scale / cap
+  // Experiment only (ZIPKV_PREFILL_PROBE at launch), d 128's clusters: 1 no copies into the other CTA (its half of
+  // each tile stays stale: wrong outputs); 2 no sharing (each CTA copies and rebuilds all its blocks, the cluster
+  // barriers stay: right outputs); 4 the steps' barriers the CTA's own, not the cluster's (racy: wrong outputs).
+  int probe;
 };
 
 template <int D>
@@ -350,15 +354,15 @@ __device__ __forceinline__ int span_offset(int off0) {
 // kCluster: one 64-dim column block of the swizzled tile, whose 16 rows of the warp's tile are 2 KB in one piece),
 // and then copies those 2 KB into the same place of the other CTA's tile. Every CTA plans all of a chunk's blocks, so
 // each sees a refused block of the other's share too.
-template <int D>
-__device__ __forceinline__ bool rebuild_warp_blocks(int warp, int rank, int64_t c0, int64_t kv_len,
+template <int D, int kOwn>
+__device__ __forceinline__ bool rebuild_warp_blocks(int warp, int rank, bool copy_out, int64_t c0, int64_t kv_len,
                                                     const uint8_t* stage, const uint8_t* descs, uint16_t* ks,
                                                     uint16_t* vs, const WarpOffsets<D>& l, int lane) {
   using C = Cfg<D>;
-  constexpr int kPer = C::kPerWarp, kOwn = kPer / C::kCluster;
+  constexpr int kPer = C::kPerWarp;
   static_assert(C::kSpans % kPer == 0 && kPer <= 4 && (!C::kWgmma || kPer == C::kSpans),
                 "a warp's blocks: spans of one tile, from span 0 under the swizzle");
-  static_assert(C::kCluster == 1 || (C::kWgmma && kOwn == 2), "a cluster CTA's share: one 64-dim column block");
+  static_assert(kOwn == kPer || (C::kWgmma && kOwn == 2), "a cluster CTA's share: one 64-dim column block");
   constexpr int kRankOffset = C::kCluster > 1 ? C::kKV * 64 : 0;  // bf16 from one column block to the next
   const int j0 = warp * kPer;
   const BlockOf<D> blk(j0);
@@ -419,7 +423,7 @@ __device__ __forceinline__ bool rebuild_warp_blocks(int warp, int rank, int64_t 
       }
     }
   }
-  if constexpr (C::kCluster > 1) {  // the same 16 rows x 128 bytes into the other CTA's tile
+  if (C::kCluster > 1 && kOwn < kPer && copy_out) {  // the same 16 rows x 128 bytes into the other CTA's tile
     __syncwarp();
     const uint32_t mine = smem_u32(dst + rank * kRankOffset + blk.tile * kTileTokens * 64);
     const uint32_t theirs = cluster_map(mine, static_cast<uint32_t>(rank ^ 1));
@@ -683,10 +687,32 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     return kv_tiles + ((ci % C::kTileBufs) * 2 + is_v) * (C::kKVBytes / 2);
   };
 
+  // The steps' barrier (probe 4: the CTA's own, in a cluster too), whole or in two halves.
+  const auto loop_sync = [&]() {
+    if (kCl > 1 && !(p.probe & 4)) {
+      cluster_sync();
+    } else {
+      __syncthreads();
+    }
+  };
+  const auto loop_arrive = [&]() {
+    if (kCl > 1 && !(p.probe & 4)) cluster_arrive();
+  };
+  const auto loop_wait = [&]() {
+    if (kCl > 1 && !(p.probe & 4)) {
+      cluster_wait();
+    } else {
+      __syncthreads();
+    }
+  };
+
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
-      for (int i = 0; i < chunks + 3; ++i) step_sync<D>();
+      step_sync<D>();
+      step_sync<D>();
+      for (int i = 0; i < chunks; ++i) loop_sync();
+      step_sync<D>();
       return;
     }
     // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
@@ -713,7 +739,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
       if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
       if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
       page_next = page_of(next + 2);
-      step_sync<D>();
+      loop_sync();
     }
     step_sync<D>();  // the compute warps' refusal flags
     return;
@@ -747,9 +773,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (ci < chunks) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
-#pragma unroll
-      for (int i = 0; i < kPerWarp / kCl; ++i) {
-        const int j = warp * kPerWarp + rank * (kPerWarp / kCl) + i;
+      const bool all = kCl > 1 && (p.probe & 2);
+      const int first = all ? 0 : rank * (kPerWarp / kCl), n = all ? kPerWarp : kPerWarp / kCl;
+      for (int i = 0; i < n; ++i) {
+        const int j = warp * kPerWarp + first + i;
         issue_block(p, descs[j], srcs[j], stages + ci % kS * C::kStageBytes + j * kRawBlockBytes, lane);
       }
     }
@@ -758,8 +785,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const auto rebuild_chunk = [&](int ci) {
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
-    refused |= rebuild_warp_blocks<D>(warp, rank, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
-                                      offsets, lane);
+    if (kCl > 1 && (p.probe & 2)) {
+      refused |= rebuild_warp_blocks<D, kPerWarp>(warp, 0, false, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0),
+                                                  kv_tile(ci, 1), offsets, lane);
+    } else {
+      refused |= rebuild_warp_blocks<D, kPerWarp / kCl>(warp, rank, !(p.probe & 1), chunk_key(ci), kv_len, stage, descs,
+                                                        kv_tile(ci, 0), kv_tile(ci, 1), offsets, lane);
+    }
     if constexpr (C::kWgmma) fence_proxy_async_smem();   // the tiles are read by wgmma after the next barrier
     if constexpr (kCl > 1) fence_proxy_async_cluster();  // and the other CTA's, written from here
   };
@@ -821,7 +853,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       for (int ci = 0; ci < chunks; ++ci) {
-        if (ci > 0) cluster_wait();                                   // step ci - 1's barrier
+        if (ci > 0) loop_wait();                                      // step ci - 1's barrier
         issue_chunk(ci + C::kAhead - 1 + kS);                         // into the staging chunk ci + 1 left
         start_pv<D>(kv_tile(ci + C::kTileBufs - 1, 1), lane, o, pa);  // chunk ci - 1
         cp_async_wait<kS - 1>();                                      // chunk ci + 2, copied a step ago
@@ -830,14 +862,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         fence_registers(o);
         fence_registers(s_cur);
         fence_registers(pa);
-        cluster_arrive();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles read
+        loop_arrive();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles read
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
         softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale bytes, never used
       }
-      if (chunks > 0) cluster_wait();
+      if (chunks > 0) loop_wait();
       start_pv<D>(kv_tile(chunks + C::kTileBufs - 1, 1), lane, o, pa);  // the last chunk
       wgmma_wait_all();
       fence_registers(o);
@@ -846,7 +878,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     } else {
       float s_next[C::kKV / 8][4];
       for (int ci = 0; ci < chunks; ++ci) {
-        if (ci > 0) cluster_wait();
+        if (ci > 0) loop_wait();
         issue_chunk(ci + C::kAhead - 1 + kS);
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);
         const int64_t c0 = chunk_key(ci);
@@ -855,7 +887,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
         cp_async_wait<kS - 1>();
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
-        cluster_arrive();  // chunk ci + 2 rebuilt (chunk ci - 1's tiles were read in step ci - 1)
+        loop_arrive();     // chunk ci + 2 rebuilt (chunk ci - 1's tiles were read in step ci - 1)
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
         fence_registers(o);
         fence_registers(s_next);
@@ -866,7 +898,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
           for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
         }
       }
-      if (chunks > 0) cluster_wait();
+      if (chunks > 0) loop_wait();
     }
   } else {
     for (int ci = 0; ci < chunks; ++ci) {
