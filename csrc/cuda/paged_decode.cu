@@ -116,8 +116,8 @@ int plan_splits(const Shape& x) {
   constexpr int warps = 4;
   const int64_t sms = num_sms(), residency = std::max(1, occupancy(x.head_dim, x.group, warps, x.multi));
   auto cost = [&](int s) {
-    const int64_t n = x.ctas * s;
     if (x.multi) return wave_time(x, s, warps);
+    const int64_t n = x.ctas * s;
     const double work = x.tiles / s + kOverheadTilesPerWarp * warps;
     const double t = n > sms * residency ? (static_cast<double>(n) / static_cast<double>(sms) + kTailCtaTimes) * work
                                          : sm_time((n + sms - 1) / sms, work, warps, residency);

@@ -130,6 +130,10 @@ struct Cfg {
   static_assert(kBarBytes % 16 == 0, "the tile records after the mbarriers stay aligned");
 };
 
+// The Cfg of one kernel variant (the kernel, its launch and its occupancy query read the same one).
+template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
+using VariantCfg = Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>;
+
 // ---------------------------------------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -423,7 +427,7 @@ __device__ __forceinline__ void rebuild_pair(uint32_t mask, const uint8_t* base,
 // ---------------------------------------------------------------------------------------------- the kernel
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const Params p) {
-  using C = Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>;
+  using C = VariantCfg<D, kMulti, kHeadTiles, kCtas, kWarps>;
   constexpr int kB = C::kBlocks, kSlots = C::kSlots, kN = kHeadTiles;
   static_assert(kN != 4 || (kMulti && D <= 128), "4 head tiles: kMulti's 32 rows, O in at most 128 registers");
   // Mixed streams take rebuild_pair's lines at d 64 and 128 with one head tile; with two head tiles (d 64: 128

@@ -15,7 +15,7 @@ void set_smem_limit() {
   // Per device (smem_limit.cuh), outside any graph capture in practice (the first call on a device runs eagerly).
   static SmemFlags done{};
   ::zipkv::cuda::set_smem_limit(paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>,
-                                Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>::kSmemBytes, done);
+                                VariantCfg<D, kMulti, kHeadTiles, kCtas, kWarps>::kSmemBytes, done);
 }
 
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
@@ -28,7 +28,7 @@ int occupancy() {
     int ctas = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &ctas, paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>, 32 * kWarps,
-        Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>::kSmemBytes));
+        VariantCfg<D, kMulti, kHeadTiles, kCtas, kWarps>::kSmemBytes));
     n.store(ctas, std::memory_order_release);
   }
   return n.load(std::memory_order_acquire);
@@ -39,14 +39,14 @@ void launch_kernel(const Params& p, cudaStream_t stream) {
   set_smem_limit<D, kMulti, kHeadTiles, kCtas, kWarps>();
   const unsigned int ctas = static_cast<unsigned int>(p.slots * p.H * p.num_splits);
   paged_decode_kernel<D, kMulti, kHeadTiles, kCtas, kWarps>
-      <<<ctas, 32 * kWarps, Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>::kSmemBytes, stream>>>(p);
+      <<<ctas, 32 * kWarps, VariantCfg<D, kMulti, kHeadTiles, kCtas, kWarps>::kSmemBytes, stream>>>(p);
 }
 
 // The variant serving a head_dim, MMA columns and warps per CTA: kHeadTiles = 2 when the columns (the group's
 // heads, or multi's query rows) exceed 8 (two MMA N tiles), 4 when multi's exceed 16 (d <= 128 only), and the
 // residency (CTAs per SM) each variant's registers allow (d 128: 160 registers -> 3, 218 with two head tiles -> 2,
-// FOUR128 with four -> 2; d 64: 160 with its pairs of tiles -> 3, <= 128 with two head tiles -> 4, FOUR64 with four
-// -> 3; d 256: 229 -> 1).
+// 255 with four -> 2; d 64: 160 with its pairs of tiles -> 3, <= 128 with two head tiles -> 4, 204 with four -> 2;
+// d 256: 229 -> 1).
 // docs/decode-kernel.md: 3 measured against 2 at d 128 (v7, and v9 again); d 128 at 4 would leave a warp's ring too
 // small for two raw tiles; d 64's pairs at 4 CTAs spill and lose (v21). d 128 with one head tile also comes as 2 CTAs
 // of 6 warps (has_six_warps), decode only.
