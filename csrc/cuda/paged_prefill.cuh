@@ -482,6 +482,16 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
   }
 }
 
+template <int D>
+__device__ __forceinline__ void pack_p(float (&s)[Cfg<D>::kKV / 8][4], uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg<D>::kKV / 16; ++kk) {
+    pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
 // One compute warp's 16 rows of a chunk: S (from start_scores) becomes P, the A operand of P V (pa), by the online
 // softmax, its state carried in m_run and l_run (O rescaled where a row's maximum rises). masked: the chunk crosses
 // the causal diagonal, a window edge or kv_len for some row of the warp; rel_pos: the rows' positions relative to the
@@ -546,7 +556,9 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 }
 
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
-template <int D, bool kCap>
+// PROBE bits (experiment, d 128): 1 no planning, copies or rebuild (the tiles zeroed once), 2 no barrier in the
+// loop, 4 no softmax (P = S packed): what the multiply alone costs in this structure.
+template <int D, bool kCap, int kProbe = 0>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
   constexpr int kS = C::kStages;
@@ -615,8 +627,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
-    if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
-      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+    if (warp > kPlanner || (kProbe & 1)) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
+      for (int i = 0; i < ((kProbe & 2) ? 3 : chunks + 3); ++i) __syncthreads();
       return;
     }
     // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
@@ -674,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   constexpr int kPerWarp = C::kPerWarp;
   const WarpOffsets<D> offsets = warp_offsets<D>(warp, lane);
   const auto issue_chunk = [&](int ci) {
-    if (ci < chunks) {
+    if (ci < chunks && !(kProbe & 1)) {
       const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
       const int64_t* srcs = src_ring + ci % kPlanRing * kMaxBlocks;
 #pragma unroll
@@ -686,6 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     cp_async_commit();  // one group a chunk, empty past the last: "at most kS - 1 in flight" means the oldest landed
   };
   const auto rebuild_chunk = [&](int ci) {
+    if constexpr (kProbe & 1) return;
     const uint8_t* stage = stages + ci % kS * C::kStageBytes;
     const uint8_t* descs = desc_ring + ci % kPlanRing * C::kDescBytes;
     refused |= rebuild_warp_blocks<D>(warp, chunk_key(ci), kv_len, stage, descs, kv_tile(ci, 0), kv_tile(ci, 1),
@@ -720,8 +733,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (r + 1 < C::kAhead) issue_chunk(r + kS);
   }
   if constexpr (C::kWgmma) {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
-    uint4* z = reinterpret_cast<uint4*>(kv_tile(C::kTileBufs - 1, 1));
-    for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
+    uint4* z = reinterpret_cast<uint4*>((kProbe & 1) ? kv_tiles : kv_tile(C::kTileBufs - 1, 1));
+    const int n16 = ((kProbe & 1) ? 2 * C::kTileBufs : 1) * C::kKVBytes / 16;
+    for (int i = threadIdx.x; i < n16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
     fence_proxy_async_smem();
   }
   __syncthreads();  // chunks 0..kAhead - 1 rebuilt
@@ -756,9 +770,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
-        softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        if constexpr (kProbe & 4) {
+          pack_p<D>(s_cur, pa);
+        } else {
+          softmax_to_p<D, kCap>(p, s_cur, lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        }
         start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_cur);  // past the last chunk: stale bytes, never used
-        __syncthreads();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
+        if constexpr (!(kProbe & 2)) __syncthreads();  // chunk ci + 2 rebuilt, chunk ci - 1's tiles free, the plans of chunk ci + kS + 2 published
       }
       start_pv<D>(kv_tile(chunks + C::kTileBufs - 1, 1), lane, o, pa);  // the last chunk
       wgmma_wait_all();
@@ -773,7 +791,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         const int64_t c0 = chunk_key(ci);
         int rel_pos[2];
         const int kv_rem = relative(c0, rel_pos);
-        attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        if constexpr (kProbe & 4) {
+          pack_p<D>(s_cur, pa);
+          start_pv<D>(kv_tile(ci, 1), lane, o, pa);
+        } else {
+          attend_chunk<D, kCap>(p, s_cur, kv_tile(ci, 1), lane, masked_at(c0), rel_pos, kv_rem, o, m_run, l_run, pa);
+        }
         cp_async_wait<kS - 1>();
         if (ci + 2 < chunks) rebuild_chunk(ci + 2);
         wgmma_wait_all();  // S of chunk ci + 1, P V of chunk ci
@@ -785,7 +808,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
 #pragma unroll
           for (int e = 0; e < 4; ++e) s_cur[n][e] = s_next[n][e];
         }
-        __syncthreads();
+        if constexpr (!(kProbe & 2)) __syncthreads();
       }
     }
   } else {
