@@ -434,7 +434,10 @@ tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$O
 echo "main built at $SECONDS s"
 timeout 70 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
-# ---- .box/run62.sh (not yet run: 230 s of the budget were left, too little to start a machine): the cluster's step
+# ---- .box/run62.sh: call 20 (2026-12-07, ~10:00 UTC, 295 s), kind nvidia-h200 (an H100 80GB HBM3 came) -> the split
+# barrier passes its prefill tests (test_prefill_cluster_split.log: 185) and is no faster: 372.4 us at 512 x 8K x 1
+# (probe_cluster_split.json); the probes (probe_cluster_parts.json; their build 0 takes 424.9): 1 364.5, 2 415.7,
+# 4 367.1; main 290.6 on the same machine (probe_main_call20.json). Was: the cluster's step
 # barrier in two halves (2d1061e, branch exp/prefill-cluster), its CUDA prefill tests and 512 x 8K at batch 1 and 8
 # against FlashInfer in the same run; then the same kernel's probes (83f5eb1, ZIPKV_PREFILL_PROBE read at launch: 1
 # no copies into the other CTA, 2 no sharing with the cluster barriers kept, 4 the CTA's own barrier in the loop;
@@ -463,4 +466,32 @@ echo "probed at $SECONDS s"
 tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
 echo "main built at $SECONDS s"
 timeout 80 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "all $SECONDS s"
+# ---- .box/run63.sh: call 21 (~10:06 UTC, 157 s), kind nvidia-h200 (an H100 80GB HBM3 came), on main at dcd5bd2:
+# every case of bench_prefill.py with FlashInfer in the same run -> ../bench_prefill_h100.json (chunked 0.41-0.47x
+# FlashInfer at every shape, speculative 2.99-3.82x and 1.05-1.17x zipkv's decode, engine TTFT attention 0.857x)
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -f "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 480 python3 benchmarks/bench_prefill.py --out "$OUT" 2>&1 | grep -v "Warn\|warn" | tail -25
+echo "all $SECONDS s"
+# ---- .box/run64.sh: call 22 (~10:20 UTC, 154 s), kind nvidia-h200 (an H100 80GB HBM3 came), on 0e4a197 (branch
+# exp/prefill-floor: main's kernel with ZIPKV_PREFILL_PROBE read at launch, d 128: 1 no planning, copies or rebuild,
+# the tiles zeroed once; 2 no barrier in the loop; 4 no softmax, P = S packed) -> probe_floor.json: at 512 x 8K x 1
+# 0 295.5, 1 144.0, 3 133.2, 5 85.8, 7 88.3 us, FlashInfer 127.8-129.7 (batch 8: 2,178.2, 1,078.7, 998.8, 647.8,
+# 639.4 against 917.5-924.4)
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -f "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 200 python3 .box/probe3.py $OUT/probe_floor.json 0 1 3 5 7 2>&1 | grep -v "Warn\|warn" | tail -12
 echo "all $SECONDS s"
