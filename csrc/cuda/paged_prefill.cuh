@@ -373,6 +373,171 @@ __device__ __forceinline__ bool rebuild_warp_blocks(int warp, int64_t c0, int64_
   return refused;
 }
 
+// The same blocks in one straight line, no branch on a descriptor (experiment, kMerged): every staged word a block
+// could hold is loaded, the compressed decode always runs, and selects pick raw, decoded or zero words; so that ptxas
+// can interleave the rebuild with the softmax placed beside it in the same basic block. The V tail is left to
+// zero_v_tail.
+template <int D>
+__device__ __forceinline__ bool rebuild_warp_blocks_straight(int warp, const uint8_t* stage, const uint8_t* descs,
+                                                             uint16_t* ks, uint16_t* vs, const WarpOffsets<D>& l,
+                                                             int lane) {
+  using C = Cfg<D>;
+  constexpr int kPer = C::kPerWarp;
+  static_assert(kPer == 4 && C::kWgmma, "the warp's blocks: one tile's four spans");
+  const int j0 = warp * kPer;
+  const BlockOf<D> blk(j0);
+  const uint32_t dw = *reinterpret_cast<const uint32_t*>(descs + j0);
+  const uint8_t* base = stage + j0 * kRawBlockBytes;
+  uint16_t* const dst = blk.is_v ? vs : ks;
+  bool refused = false;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const uint8_t desc = static_cast<uint8_t>(dw >> (8 * i));
+    const uint8_t* src = base + i * kRawBlockBytes;
+    const uint4 a = *reinterpret_cast<const uint4*>(src + 16 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+    const uint2 c = *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane);
+    uint32_t wd[8];
+    decode_lane(a, c, desc, wd);
+    const bool zero = desc == kDescSkip || desc == kDescBad, raw = desc == kDescRaw;
+    const uint32_t wr[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t w[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) w[m] = zero ? 0u : raw ? wr[m] : wd[m];
+    refused |= desc == kDescBad;
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      int off;
+      switch (i) {
+        case 0: off = span_offset<D, 0>(l.off0[c2]); break;
+        case 1: off = span_offset<D, 1>(l.off0[c2]); break;
+        case 2: off = span_offset<D, 2>(l.off0[c2]); break;
+        default: off = span_offset<D, 3>(l.off0[c2]); break;
+      }
+      stmatrix_x4(smem_u32(dst + off), blk.is_v, w + 4 * c2);
+    }
+  }
+  return refused;
+}
+
+// The same rebuild woven into chunk ci's softmax by hand (experiment, kMerged 2; ptxas keeps the two in source
+// order): the warp's 12 staged loads first, then the logits' maximum, then each block's decode and stmatrix beside
+// the weights of two of S's n-tiles. Returns whether any row rose (alpha as softmax_alpha).
+template <int D, bool kCap, bool kMasked>
+__device__ __forceinline__ bool rebuild_and_softmax(const Params& p, int warp, const uint8_t* stage,
+                                                    const uint8_t* descs, uint16_t* ks, uint16_t* vs,
+                                                    const WarpOffsets<D>& l, int lane, bool do_rebuild, bool& refused,
+                                                    float (&s)[Cfg<D>::kKV / 8][4], int t, const int rel_pos[2],
+                                                    int kv_rem, float m_run[2], float l_run[2], float alpha[2]) {
+  using C = Cfg<D>;
+  constexpr int kPer = C::kPerWarp, kSN = C::kKV / 8;
+  static_assert(kPer == 4 && kSN == 2 * kPer && C::kWgmma, "two of S's n-tiles beside each block");
+  const int j0 = warp * kPer;
+  const BlockOf<D> blk(j0);
+  const uint32_t dw = do_rebuild ? *reinterpret_cast<const uint32_t*>(descs + j0) : 0xFEFEFEFEu;
+  const uint8_t* base = stage + j0 * kRawBlockBytes;
+  uint16_t* const dst = blk.is_v ? vs : ks;
+  uint4 a[2], b[2];  // block i's staged words in slot i % 2, the next block's loaded a block ahead
+  uint2 c[2];
+  const auto load = [&](int i) {
+    const uint8_t* src = base + i * kRawBlockBytes;
+    a[i % 2] = *reinterpret_cast<const uint4*>(src + 16 * lane);
+    b[i % 2] = *reinterpret_cast<const uint4*>(src + kRawHalfBytes + 16 * lane);
+    c[i % 2] = *reinterpret_cast<const uint2*>(src + kLowBytes + 8 * lane);
+  };
+  load(0);
+  const float mul = kCap ? 1.f : p.scale_log2;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[n][e];
+      if constexpr (kCap) x = p.cap_log2 * tanh_approx(x * p.scale_cap);
+      if constexpr (kMasked) {
+        const int key = n * 8 + 2 * t + (e % 2), pos = rel_pos[e / 2];
+        const bool keep =
+            key < kv_rem && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
+        x = keep ? x : -INFINITY;
+      }
+      s[n][e] = x;
+      mx[e / 2] = fmaxf(mx[e / 2], x);
+    }
+  }
+  bool rise = false;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
+    mx[h2] *= mul;
+    const bool r = mx[h2] > m_run[h2] + kMaxSlack;
+    alpha[h2] = !r ? 1.f : m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - mx[h2]);
+    m_run[h2] = r ? mx[h2] : m_run[h2];
+    l_run[h2] *= alpha[h2];
+    rise |= r;
+  }
+  const float m_use[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (i + 1 < kPer) load(i + 1);
+    const uint8_t desc = static_cast<uint8_t>(dw >> (8 * i));
+    uint32_t wd[8];
+    const uint4 ai = a[i % 2], bi = b[i % 2];
+    decode_lane(ai, c[i % 2], desc, wd);
+    const bool zero = desc == kDescSkip || desc == kDescBad, raw = desc == kDescRaw;
+    const uint32_t wr[8] = {ai.x, ai.y, ai.z, ai.w, bi.x, bi.y, bi.z, bi.w};
+    uint32_t w[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) w[m] = zero ? 0u : raw ? wr[m] : wd[m];
+    refused |= desc == kDescBad;
+#pragma unroll
+    for (int n = 2 * i; n < 2 * i + 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = exp2_approx(fmaf(s[n][e], mul, -m_use[e / 2]));
+        l_run[e / 2] += s[n][e];
+      }
+    }
+    if (do_rebuild) {
+#pragma unroll
+      for (int c2 = 0; c2 < 2; ++c2) {
+        int off;
+        switch (i) {
+          case 0: off = span_offset<D, 0>(l.off0[c2]); break;
+          case 1: off = span_offset<D, 1>(l.off0[c2]); break;
+          case 2: off = span_offset<D, 2>(l.off0[c2]); break;
+          default: off = span_offset<D, 3>(l.off0[c2]); break;
+        }
+        stmatrix_x4(smem_u32(dst + off), blk.is_v, w + 4 * c2);
+      }
+    }
+  }
+  return rise;
+}
+
+template <int D>
+__device__ __forceinline__ void zero_v_tail(int warp, int64_t c0, int64_t kv_len, uint16_t* vs, int lane) {
+  using C = Cfg<D>;
+  constexpr int kPer = C::kPerWarp;
+  const BlockOf<D> blk(warp * kPer);
+  const int64_t tok = c0 + int64_t{blk.tile} * kTileTokens;
+  if (blk.is_v && tok + kTileTokens > kv_len && tok < kv_len) {
+    __syncwarp();
+    const int valid = static_cast<int>(kv_len - tok);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int piece = lane + 32 * k, row = piece / 4;
+        if (row < valid) continue;
+        *reinterpret_cast<uint4*>(
+            vs + tile_offset<D>(blk.tile * kTileTokens + row, (blk.span + i) * kBlockDims + (piece % 4) * 8)) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- the kernel
 // Q's A fragments of a warp's 16 rows, k-step k (16 dims), from the Q tile.
 template <int D>
@@ -443,6 +608,56 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
   }
 }
 
+// online_softmax without O's rescale and without a branch (experiment, kMerged): alpha (per row, 1 where the
+// maximum did not rise) is returned for the caller to apply to O once O's MMAs are done; l is rescaled here. Returns
+// whether any row of the warp rose.
+template <int D, bool kCap, bool kMasked>
+__device__ __forceinline__ bool softmax_alpha(const Params& p, float (&s)[Cfg<D>::kKV / 8][4], int t,
+                                              const int rel_pos[2], int kv_rem, float m_run[2], float l_run[2],
+                                              float alpha[2]) {
+  constexpr int kSN = Cfg<D>::kKV / 8;
+  const float mul = kCap ? 1.f : p.scale_log2;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[n][e];
+      if constexpr (kCap) x = p.cap_log2 * tanh_approx(x * p.scale_cap);
+      if constexpr (kMasked) {
+        const int key = n * 8 + 2 * t + (e % 2), pos = rel_pos[e / 2];
+        const bool keep =
+            key < kv_rem && (!p.causal || key <= pos) && (p.window_left < 0 || key >= pos - p.window_left);
+        x = keep ? x : -INFINITY;
+      }
+      s[n][e] = x;
+      mx[e / 2] = fmaxf(mx[e / 2], x);
+    }
+  }
+  bool rise = false;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 1));
+    mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xFFFFFFFFu, mx[h2], 2));
+    mx[h2] *= mul;
+    const bool r = mx[h2] > m_run[h2] + kMaxSlack;
+    alpha[h2] = !r ? 1.f : m_run[h2] == -INFINITY ? 0.f : exp2_approx(m_run[h2] - mx[h2]);
+    m_run[h2] = r ? mx[h2] : m_run[h2];
+    l_run[h2] *= alpha[h2];
+    rise |= r;
+  }
+  const float m_use[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+#pragma unroll
+  for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = exp2_approx(fmaf(s[n][e], mul, -m_use[e / 2]));
+      l_run[e / 2] += s[n][e];
+    }
+  }
+  return rise;
+}
+
 // S = Q K^T for one compute warp's 16 rows over one chunk's K tile (ks). With wgmma the four warps of a warpgroup
 // call it together, Q read by descriptor from the swizzled Q tile (held in registers, its 32 registers a thread made
 // ptxas spill the loop's addresses), and the MMAs are only started: attend_chunk waits for them, so that the rebuild
@@ -479,6 +694,16 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
         mma(s[2 * n + 1], a, bk[2], bk[3]);
       }
     }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void pack_p(float (&s)[Cfg<D>::kKV / 8][4], uint32_t (&pa)[Cfg<D>::kKV / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg<D>::kKV / 16; ++kk) {
+    pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]), pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 }
 
@@ -546,7 +771,10 @@ __device__ __forceinline__ void attend_chunk(const Params& p, float (&s)[Cfg<D>:
 }
 
 // kCap: a soft cap is set (p.cap_log2 > 0), a compile-time choice so that the logits' map costs nothing without one.
-template <int D, bool kCap>
+// kMerged (experiment, d 128): both warpgroups in step; each step's softmax and the rebuild of chunk i + 2 in one
+// straight line, O's rescale and P V after them, S and P V waited for a step later (two S buffers, the loop unrolled
+// by two, so an odd chunk count takes one step of nothing: every key masked, P = 0).
+template <int D, bool kCap, int kMerged = 0>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params p) {
   using C = Cfg<D>;
   constexpr int kS = C::kStages;
@@ -609,6 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   const int64_t c_first = lo / kTileTokens * kTileTokens;
   const int chunks = hi > c_first ? static_cast<int>((hi - c_first + C::kKV - 1) / C::kKV) : 0;
   const auto chunk_key = [&](int ci) { return c_first + int64_t{ci} * C::kKV; };
+  const int steps = kMerged ? (chunks + 1) / 2 * 2 : chunks;  // kMerged: an even number of steps
   const auto kv_tile = [&](int ci, int is_v) {
     return kv_tiles + ((ci % C::kTileBufs) * 2 + is_v) * (C::kKVBytes / 2);
   };
@@ -616,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
   if (warp >= kPlanner) {
     setmaxnreg_dec<kPlannerRegs>();
     if (warp > kPlanner) {  // the planner's warpgroup's other warps: only the barriers the planner keeps
-      for (int i = 0; i < chunks + 3; ++i) __syncthreads();
+      for (int i = 0; i < steps + 3; ++i) __syncthreads();
       return;
     }
     // ---- The planner: publishes the plans of chunk ci + kS + kAhead while chunk ci is multiplied (the compute warps
@@ -638,7 +867,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     int32_t page_next = page_of(kLead + 1);
     __syncthreads();  // the plans of chunks 0..kLead - 1 published
     __syncthreads();  // chunks 0..kAhead - 1 rebuilt
-    for (int ci = 0; ci < chunks; ++ci) {
+    for (int ci = 0; ci < steps; ++ci) {
       const int next = ci + kLead;
       if (next < chunks) publish(next, plan_block<D>(p, chunk_key(next), lane, words));
       if (next + 1 < chunks) load_meta_words<D>(p, head, chunk_key(next + 1), hi, lane, page_next, words);
@@ -720,8 +949,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     if (r + 1 < C::kAhead) issue_chunk(r + kS);
   }
   if constexpr (C::kWgmma) {  // the V tile warpgroup 1's P V of "chunk -1" (P = 0) reads: zeros, never NaN
-    uint4* z = reinterpret_cast<uint4*>(kv_tile(C::kTileBufs - 1, 1));
-    for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
+    for (int b = kMerged ? 0 : C::kTileBufs - 1; b < C::kTileBufs; ++b) {  // kMerged: the step of nothing's V too
+      uint4* z = reinterpret_cast<uint4*>(kv_tile(b, 1));
+      if (kMerged && b < C::kAhead && b < chunks) continue;  // chunks 0 and 1, rebuilt
+      for (int i = threadIdx.x; i < C::kKVBytes / 16; i += 32 * kComputeWarps) z[i] = make_uint4(0, 0, 0, 0);
+    }
     fence_proxy_async_smem();
   }
   __syncthreads();  // chunks 0..kAhead - 1 rebuilt
@@ -735,12 +967,78 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
     // tile's, is masked whole, its results unused), so that no MMA is issued or waited for under a branch: ptxas
     // serializes wgmma that it cannot prove uniform (the branch between the warpgroups is on a value made uniform by
     // a shuffle, as FA3 does).
+    const auto masked_at = [&](int64_t c0) { return chunk_none(c0) || !unit_active || chunk_masked(c0); };
+    if constexpr (kMerged) {
+      float s_a[C::kKV / 8][4], s_b[C::kKV / 8][4];
+      uint32_t pa[C::kKV / 16][4];
+      start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_a);
+      // Step ci: S of chunk ci + 1 started; S of chunk ci and P V of chunk ci - 1 waited for; chunk ci's softmax and
+      // chunk ci + 2's rebuild in one line; O rescaled; P V of chunk ci started, in flight across the barrier.
+      const auto step = [&](int ci, float(&s_cur)[C::kKV / 8][4], float(&s_next)[C::kKV / 8][4]) {
+        issue_chunk(ci + C::kAhead - 1 + kS);
+        start_scores<D>(qs, kv_tile(ci + 1, 0), warp, lane, s_next);  // past the last chunk: stale, never used
+        cp_async_wait<kS - 1>();                                      // chunk ci + 2
+        wgmma_wait_1();
+        fence_registers(o);
+        fence_registers(s_cur);
+        fence_registers(pa);
+        const int64_t c0 = chunk_key(ci);
+        int rel_pos[2];
+        const int kv_rem = relative(c0, rel_pos);
+        const int cr = ci + 2;
+        const bool rebuild = cr < chunks;
+        const uint8_t* stage = stages + cr % kS * C::kStageBytes;
+        const uint8_t* descs = desc_ring + cr % kPlanRing * C::kDescBytes;
+        float alpha[2];
+        bool rise;
+        if constexpr (kMerged == 2) {
+          if (masked_at(c0) || !rebuild) {
+            rise = rebuild_and_softmax<D, kCap, true>(p, warp, stage, descs, kv_tile(cr, 0), kv_tile(cr, 1), offsets,
+                                                      lane, rebuild, refused, s_cur, t, rel_pos, kv_rem, m_run,
+                                                      l_run, alpha);
+          } else {
+            rise = rebuild_and_softmax<D, kCap, false>(p, warp, stage, descs, kv_tile(cr, 0), kv_tile(cr, 1), offsets,
+                                                       lane, true, refused, s_cur, t, rel_pos, kv_rem, m_run, l_run,
+                                                       alpha);
+          }
+        } else if (masked_at(c0) || !rebuild) {
+          if (rebuild)
+            refused |= rebuild_warp_blocks_straight<D>(warp, stage, descs, kv_tile(cr, 0), kv_tile(cr, 1), offsets,
+                                                       lane);
+          rise = softmax_alpha<D, kCap, true>(p, s_cur, t, rel_pos, kv_rem, m_run, l_run, alpha);
+        } else {
+          refused |= rebuild_warp_blocks_straight<D>(warp, stage, descs, kv_tile(cr, 0), kv_tile(cr, 1), offsets,
+                                                     lane);
+          rise = softmax_alpha<D, kCap, false>(p, s_cur, t, rel_pos, kv_rem, m_run, l_run, alpha);
+        }
+        if (rebuild) {
+          zero_v_tail<D>(warp, chunk_key(cr), kv_len, kv_tile(cr, 1), lane);
+          fence_proxy_async_smem();
+        }
+        if (__any_sync(0xFFFFFFFFu, rise)) {
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= alpha[0], o[n][1] *= alpha[0], o[n][2] *= alpha[1], o[n][3] *= alpha[1];
+          }
+        }
+        pack_p<D>(s_cur, pa);
+        start_pv<D>(kv_tile(ci, 1), lane, o, pa);
+        __syncthreads();
+      };
+      for (int ci = 0; ci < steps; ci += 2) {
+        step(ci, s_a, s_b);
+        step(ci + 1, s_b, s_a);
+      }
+      wgmma_wait_all();
+      fence_registers(o);
+      fence_registers(s_a);
+      fence_registers(pa);
+    } else {
     float s_cur[C::kKV / 8][4];
     uint32_t pa[C::kKV / 16][4];
     start_scores<D>(qs, kv_tile(0, 0), warp, lane, s_cur);
     wgmma_wait_all();
     fence_registers(s_cur);
-    const auto masked_at = [&](int64_t c0) { return chunk_none(c0) || !unit_active || chunk_masked(c0); };
     if (__shfl_sync(0xFFFFFFFFu, warp / 4, 0) == 1) {
 #pragma unroll
       for (int kk = 0; kk < C::kKV / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
@@ -787,6 +1085,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_kernel(const Params
         }
         __syncthreads();
       }
+    }
     }
   } else {
     for (int ci = 0; ci < chunks; ++ci) {

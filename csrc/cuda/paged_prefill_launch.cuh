@@ -4,6 +4,8 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+
 #include "paged_prefill.cuh"
 #include "smem_limit.cuh"
 
@@ -13,6 +15,24 @@ template <int D>
 void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
   static SmemFlags done{}, done_cap{};
   const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(p.H));
+  if constexpr (D == 128) {  // experiment: ZIPKV_PREFILL_PROBE=16 (48: woven) runs the merged steps, no soft cap
+    const char* env = std::getenv("ZIPKV_PREFILL_PROBE");
+    const int probe = env != nullptr ? std::atoi(env) : 0;
+    if (probe == 16 && p.cap_log2 <= 0.f) {
+      static SmemFlags done_merged{};
+      set_smem_limit(paged_prefill_kernel<D, false, 1>, Cfg<D>::kSmemBytes, done_merged);
+      paged_prefill_kernel<D, false, 1><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    if (probe == 48 && p.cap_log2 <= 0.f) {  // the same, the rebuild woven into the softmax by hand
+      static SmemFlags done_woven{};
+      set_smem_limit(paged_prefill_kernel<D, false, 2>, Cfg<D>::kSmemBytes, done_woven);
+      paged_prefill_kernel<D, false, 2><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   if (p.cap_log2 > 0.f) {
     set_smem_limit(paged_prefill_kernel<D, true>, Cfg<D>::kSmemBytes, done_cap);
     paged_prefill_kernel<D, true><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
