@@ -434,7 +434,7 @@ tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$O
 echo "main built at $SECONDS s"
 timeout 70 python3 .box/probe3.py $OUT/probe_main.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
-# ---- .box/run62.sh: call 20 (2026-12-07, ~10:00 UTC, 295 s), kind nvidia-h200 (an H100 80GB HBM3 came) -> the split
+# ---- .box/run62.sh: call 20 (2026-12-07, ~09:59 UTC, 295 s), kind nvidia-h200 (an H100 80GB HBM3 came) -> the split
 # barrier passes its prefill tests (test_prefill_cluster_split.log: 185) and is no faster: 372.4 us at 512 x 8K x 1
 # (probe_cluster_split.json); the probes (probe_cluster_parts.json; their build 0 takes 424.9): 1 364.5, 2 415.7,
 # 4 367.1; main 290.6 on the same machine (probe_main_call20.json). Was: the cluster's step
@@ -480,7 +480,7 @@ rm -f "$OUT/build.log"
 echo "built at $SECONDS s"
 timeout 480 python3 benchmarks/bench_prefill.py --out "$OUT" 2>&1 | grep -v "Warn\|warn" | tail -25
 echo "all $SECONDS s"
-# ---- .box/run64.sh: call 22 (~10:20 UTC, 154 s), kind nvidia-h200 (an H100 80GB HBM3 came), on 0e4a197 (branch
+# ---- .box/run64.sh: call 22 (~10:13 UTC, 154 s), kind nvidia-h200 (an H100 80GB HBM3 came), on 0e4a197 (branch
 # exp/prefill-floor: main's kernel with ZIPKV_PREFILL_PROBE read at launch, d 128: 1 no planning, copies or rebuild,
 # the tiles zeroed once; 2 no barrier in the loop; 4 no softmax, P = S packed) -> probe_floor.json: at 512 x 8K x 1
 # 0 295.5, 1 144.0, 3 133.2, 5 85.8, 7 88.3 us, FlashInfer 127.8-129.7 (batch 8: 2,178.2, 1,078.7, 998.8, 647.8,
@@ -494,4 +494,24 @@ export PYTHONPATH=/tmp/zipkv-site:$PWD
 rm -f "$OUT/build.log"
 echo "built at $SECONDS s"
 timeout 200 python3 .box/probe3.py $OUT/probe_floor.json 0 1 3 5 7 2>&1 | grep -v "Warn\|warn" | tail -12
+echo "all $SECONDS s"
+# ---- .box/run65.sh: call 23 (~10:21 UTC, 265 s), kind nvidia-h200 (an H100 80GB HBM3 came), on 5b06de6 (branch
+# exp/prefill-merged: ZIPKV_PREFILL_PROBE=16, the merged step; 48, the rebuild woven into the softmax by hand) -> the
+# prefill tests pass with each (test_prefill_merged_16.log, _48.log: 185 passed); probe_merged.json at 512 x 8K x 1:
+# main 293.2, merged 336.5, woven 371.9 us, FlashInfer 131.1-131.4 (batch 8: 2,142.5, 2,469.6, 2,726.3 against
+# 937.7-942.0)
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -f "$OUT/build.log"
+echo "built at $SECONDS s"
+for pr in 16 48; do
+  ZIPKV_PREFILL_PROBE=$pr timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 \
+    -rfE 2>&1 | tee "$OUT/test_prefill_merged_$pr.log" | grep -v "Warn\|warn" | tail -4
+  echo "tested $pr at $SECONDS s"
+done
+timeout 200 python3 .box/probe3.py $OUT/probe_merged.json 0 16 48 2>&1 | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
