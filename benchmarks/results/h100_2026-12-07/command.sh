@@ -515,3 +515,24 @@ for pr in 16 48; do
 done
 timeout 200 python3 .box/probe3.py $OUT/probe_merged.json 0 16 48 2>&1 | grep -v "Warn\|warn" | tail -8
 echo "all $SECONDS s"
+# ---- .box/run66.sh: call 24 (~10:33 UTC, 80 s), kind nvidia-h200 (an H100 80GB HBM3 came), on 0e4a197 (branch
+# exp/prefill-floor) -> ncu_floor.md: Nsight Compute on probes 1 (142.85 us) and 5 (85.02 us); the target is
+# ../h100_2026-12-06/ncu_prefill.py as .box/ncu_prefill.py
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+for probe in 1 5; do
+  ZIPKV_PREFILL_PROBE=$probe timeout 150 ncu --clock-control none --set full --import-source no -k regex:paged_prefill \
+    -s 2 -c 1 -o $OUT/prefill_$probe python3 .box/ncu_prefill.py > $OUT/ncu_$probe.log 2>&1
+  ncu -i $OUT/prefill_$probe.ncu-rep --page details > $OUT/details_$probe.txt 2>&1
+  ncu -i $OUT/prefill_$probe.ncu-rep --page source --csv --print-source sass > $OUT/sass_$probe.csv 2>&1
+  grep -i "duration\|Warp Cycles Per Issued\|Issue Slots Busy\|Eligible" $OUT/details_$probe.txt | head -6
+  rm -f $OUT/prefill_$probe.ncu-rep
+  echo "probe $probe at $SECONDS s"
+done
+echo "all $SECONDS s"
