@@ -390,7 +390,12 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
                                                float l_run[2]) {
   constexpr int kSN = Cfg<D>::kKV / 8;
   const float mul = kCap ? 1.f : p.scale_log2;
-  float mx[2] = {-INFINITY, -INFINITY};
+  // A row's maximum and sum in kChains partial chains (n % kChains), so that each FMNMX or FADD waits on the one
+  // kChains back rather than the one before: the two are the softmax's only dependent chains.
+  constexpr int kChains = kSN >= 4 ? 4 : kSN;
+  float mxp[2][kChains];
+#pragma unroll
+  for (int c = 0; c < kChains; ++c) mxp[0][c] = mxp[1][c] = -INFINITY;
 #pragma unroll
   for (int n = 0; n < kSN; ++n) {
 #pragma unroll
@@ -404,8 +409,15 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
         x = keep ? x : -INFINITY;
       }
       s[n][e] = x;
-      mx[e / 2] = fmaxf(mx[e / 2], x);
+      mxp[e / 2][n % kChains] = fmaxf(mxp[e / 2][n % kChains], x);
     }
+  }
+  float mx[2];
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    mx[h2] = mxp[h2][0];
+#pragma unroll
+    for (int c = 1; c < kChains; ++c) mx[h2] = fmaxf(mx[h2], mxp[h2][c]);
   }
   bool rise = false;
 #pragma unroll
@@ -433,13 +445,19 @@ __device__ __forceinline__ void online_softmax(const Params& p, float (&s)[Cfg<D
   }
   // A maximum of -inf means nothing weighed yet: weigh against 0 (exp2(-inf - 0) = 0, -inf - -inf would be NaN).
   const float m_use[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+  float lp[2][kChains] = {};
 #pragma unroll
   for (int n = 0; n < kSN; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       s[n][e] = exp2_approx(fmaf(s[n][e], mul, -m_use[e / 2]));
-      l_run[e / 2] += s[n][e];
+      lp[e / 2][n % kChains] += s[n][e];
     }
+  }
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) l_run[h2] += lp[h2][c];
   }
 }
 
@@ -457,13 +475,14 @@ __device__ __forceinline__ void start_scores(const uint16_t* qs, const uint16_t*
   if constexpr (C::kWgmma) {
     // K-major A and B: Q's rows are query rows, the K tile's keys; k-step k is 32 bytes into the swizzle row of
     // column block k / 4.
-    const uint32_t kb = smem_u32(ks), qb = smem_u32(qs) + warp / 4 * (64 * 128);  // the warpgroup's 64 rows of Q
+    const SmemDescWords qd = smem_desc_sw128(smem_u32(qs) + warp / 4 * (64 * 128), 16, 1024),  // its 64 rows
+        kd = smem_desc_sw128(smem_u32(ks), 16, 1024);
     fence_registers(s);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-      wgmma_m64n64k16(s, smem_desc_sw128(qb + (k / 4) * (kRows * 128) + (k % 4) * 32, 16, 1024),
-                      smem_desc_sw128(kb + (k / 4) * (C::kKV * 128) + (k % 4) * 32, 16, 1024));
+      wgmma_m64n64k16(s, desc_at(qd, (k / 4) * (kRows * 128) + (k % 4) * 32),
+                      desc_at(kd, (k / 4) * (C::kKV * 128) + (k % 4) * 32));
     }
     wgmma_commit();
   } else {
@@ -514,13 +533,11 @@ __device__ __forceinline__ void start_pv(const uint16_t* vs, int lane, float (&o
   using C = Cfg<D>;
   if constexpr (C::kWgmma) {
     // MN-major B: the V tile's rows are keys (k), its column blocks of 64 dims LBO apart, 8-key atoms SBO apart.
-    const uint32_t vb = smem_u32(vs);
+    const SmemDescWords vd = smem_desc_sw128(smem_u32(vs), C::kKV * 128, 1024);
     fence_registers(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < C::kKV / 16; ++kk) {
-      wgmma_m64n128k16_mn(o, pa[kk], smem_desc_sw128(vb + kk * 16 * 128, C::kKV * 128, 1024));
-    }
+    for (int kk = 0; kk < C::kKV / 16; ++kk) wgmma_m64n128k16_mn(o, pa[kk], desc_at(vd, kk * 16 * 128));
     wgmma_commit();  // the caller waits (wgmma_wait_all, then fence_registers(o))
   } else {
 #pragma unroll

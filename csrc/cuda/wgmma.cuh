@@ -11,10 +11,17 @@
 namespace zipkv::cuda {
 
 // A shared-memory matrix descriptor (PTX "matrix descriptor format"): start address, leading and stride byte offsets
-// (16-byte units), 128-byte swizzle (layout type 1 in bits 62-63), base offset 0 (atoms 1,024-byte aligned).
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
-         static_cast<uint64_t>(sbo >> 4) << 32 | uint64_t{1} << 62;
+// (16-byte units), 128-byte swizzle (layout type 1 in bits 62-63), base offset 0 (atoms 1,024-byte aligned). Kept as
+// two words, so that an offset within shared memory is one 32-bit add to the low word's address field (14 bits:
+// every shared address is below 2^18, so the add never carries into the leading byte offset above it).
+struct SmemDescWords {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ SmemDescWords smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return {((addr & 0x3FFFF) >> 4) | (lbo >> 4) << 16, (sbo >> 4) | 1u << 30};
+}
+__device__ __forceinline__ uint64_t desc_at(SmemDescWords d, uint32_t byte_offset) {
+  return static_cast<uint64_t>(d.hi) << 32 | (d.lo + (byte_offset >> 4));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
