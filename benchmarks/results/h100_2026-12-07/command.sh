@@ -536,3 +536,24 @@ for probe in 1 5; do
   echo "probe $probe at $SECONDS s"
 done
 echo "all $SECONDS s"
+# ---- .box/run67.sh (not run: at ~10:50 UTC no machine could be started, and the failed start left 253 s of the
+# budget, too little for the ~340 s it needs): 616a532 (branch exp/prefill-micro: wgmma descriptors as two words, one
+# add a k-step; the softmax's row maximum and sum in 4 partial chains) timed, its prefill tests, then main on the same
+# machine. First, here: git archive main csrc > .box/main_csrc.tar; git checkout 616a532
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 120 python3 .box/probe3.py $OUT/probe_micro.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "timed at $SECONDS s"
+timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/test_prefill_micro.log" | grep -v "Warn\|warn" | tail -3
+echo "tested at $SECONDS s"
+tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+echo "main built at $SECONDS s"
+timeout 80 python3 .box/probe3.py $OUT/probe_main_call25.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
+echo "all $SECONDS s"
