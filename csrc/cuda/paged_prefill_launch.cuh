@@ -4,7 +4,10 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+
 #include "paged_prefill.cuh"
+#include "paged_prefill_old.cuh"
 #include "smem_limit.cuh"
 
 namespace zipkv::cuda::prefill {
@@ -13,6 +16,18 @@ template <int D>
 void launch(const Params& p, int64_t ctas, cudaStream_t stream) {
   static SmemFlags done{}, done_cap{};
   const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(p.H));
+  if constexpr (D == 128) {  // experiment: ZIPKV_PREFILL_PROBE=99 runs main's kernel (A/B in one build), no soft cap
+    const char* env = std::getenv("ZIPKV_PREFILL_PROBE");
+    if (env != nullptr && std::atoi(env) == 99 && p.cap_log2 <= 0.f) {
+      static SmemFlags done_old{};
+      auto* k = prefill_old::paged_prefill_kernel<D, false>;
+      set_smem_limit(k, prefill_old::Cfg<D>::kSmemBytes, done_old);
+      k<<<grid, prefill_old::kThreads, prefill_old::Cfg<D>::kSmemBytes, stream>>>(
+          reinterpret_cast<const prefill_old::Params&>(p));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   if (p.cap_log2 > 0.f) {
     set_smem_limit(paged_prefill_kernel<D, true>, Cfg<D>::kSmemBytes, done_cap);
     paged_prefill_kernel<D, true><<<grid, kThreads, Cfg<D>::kSmemBytes, stream>>>(p);
