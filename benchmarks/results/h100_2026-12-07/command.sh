@@ -557,3 +557,19 @@ tar xf .box/main_csrc.tar && bash .box/box.sh build >/dev/null || { tail -30 "$O
 echo "main built at $SECONDS s"
 timeout 80 python3 .box/probe3.py $OUT/probe_main_call25.json 0 2>&1 | grep -v "Warn\|warn" | tail -3
 echo "all $SECONDS s"
+# ---- .box/run68.sh (not run: the 253 s left could not start a machine): the same A/B in one build, on 70e9cfe
+# (exp/prefill-micro with main's kernel beside it: ZIPKV_PREFILL_PROBE=99 runs main's), then micro's prefill tests;
+# ~240 s on an H100. First, here: git checkout 70e9cfe
+set -uo pipefail
+OUT=${OUT:-/tmp/zipkv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZIPKV_REQUIRE_CUDA_BUILD=1 ZIPKV_REAL_KV=$PWD/.box/data/real_kv.pt OMP_NUM_THREADS=2
+rm -rf build torch_zipkv/_C*.so
+bash .box/box.sh build >/dev/null || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/zipkv-site:$PWD
+rm -f "$OUT/gpu.txt" "$OUT/build.log"
+echo "built at $SECONDS s"
+timeout 130 python3 .box/probe3.py $OUT/probe_micro_ab.json 0 99 0 99 2>&1 | grep -v "Warn\|warn" | tail -8
+echo "timed at $SECONDS s"
+timeout 60 python3 -m pytest test/test_paged_prefill_cuda.py -x -q -p no:cacheprovider -n 8 -rfE 2>&1 \
+  | tee "$OUT/test_prefill_micro.log" | grep -v "Warn\|warn" | tail -3
+echo "all $SECONDS s"
