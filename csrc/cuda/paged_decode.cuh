@@ -88,11 +88,11 @@ struct Params {
 // fragments would take 64 registers). (Two head tiles at d 128 the same way, for 3 CTAs per SM as decode's one head
 // tile has: 168 registers and 56 bytes of spills with Q in registers, and with Q in shared memory a warp's ring no
 // longer holds two raw tiles: not built.)
-template <int D, bool kMulti, int kHeadTiles>
+template <int kHeadTiles>
 constexpr bool kBlockwise = kHeadTiles == 4;
-template <int D, bool kMulti, int kHeadTiles>
+template <int kHeadTiles>
 constexpr int q_smem_cols() {
-  return kBlockwise<D, kMulti, kHeadTiles> ? 8 * kHeadTiles : 0;
+  return kBlockwise<kHeadTiles> ? 8 * kHeadTiles : 0;
 }
 
 // Bytes of a tile record (TileRec<D>, below): at d 64 it carries its blocks' tables too.
@@ -132,7 +132,7 @@ struct Cfg {
 
 // The Cfg of one kernel variant (the kernel, its launch and its occupancy query read the same one).
 template <int D, bool kMulti, int kHeadTiles, int kCtas, int kWarps>
-using VariantCfg = Cfg<D, kCtas, kWarps, q_smem_cols<D, kMulti, kHeadTiles>()>;
+using VariantCfg = Cfg<D, kCtas, kWarps, q_smem_cols<kHeadTiles>()>;
 
 // ---------------------------------------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
   // A tile's ring bytes are released once its V is in registers, before the softmax and PV. V then stays live
   // across them, which spills with two head tiles at d 64 (128 registers) and d 256: those release after PV.
   // With four head tiles V is rebuilt block by block inside P V (below): its bytes stay in the ring until then.
-  constexpr bool kEarlyRelease = (kN == 1 || D == 128) && !kBlockwise<D, kMulti, kN>;
+  constexpr bool kEarlyRelease = (kN == 1 || D == 128) && !kBlockwise<kN>;
   // Pairs of all-compressed tiles in one straight line (below) at d 64 with one head tile, where one tile's rebuild
   // chain leaves the warps stalled (v21). d 128 waits on memory instead, and has no registers to spare.
   constexpr bool kPairTiles = D == 64 && kN == 1;
@@ -840,7 +840,7 @@ __global__ void __launch_bounds__(32 * kWarps, kCtas) paged_decode_kernel(const 
       auto kept = [&](int tok) { return tok >= lo && tok < hi_any; };
       return (kept(2 * t + 8 * j) ? 0x0000FFFFu : 0u) | (kept(2 * t + 8 * j + 1) ? 0xFFFF0000u : 0u);
     };
-    if constexpr (kBlockwise<D, kMulti, kN>) {
+    if constexpr (kBlockwise<kN>) {
       // Four head tiles: O takes 128 registers at d 128, so K and V are rebuilt a block at a time, each right before
       // its MMAs (K's before S, V's inside P V after the softmax), Q's fragments read from shared memory per block,
       // and S in one chain: rebuilding whole streams first, as below, spilled 264 bytes. The ring bytes are released
